@@ -1,0 +1,7 @@
+"""Diagnostics: distances between laws and the shift a verification rule causes (DESIGN.md sec. 3)."""
+
+from __future__ import annotations
+
+from verispec.diagnostics.distances import js, kl, max_ratio, tail_mass, tv
+
+__all__ = ["js", "kl", "max_ratio", "tail_mass", "tv"]

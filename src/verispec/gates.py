@@ -1,0 +1,52 @@
+"""Truncation gates: the supports A(p) that truncation sampling and truncation verifiers keep.
+
+Every gate returns a boolean mask [..., V], always contains argmax p (so `norm(p * 1_A)` is
+defined) and never contains a token the target gives probability 0 (a truncated *support*). Ties are kept together: a token is in or out by its probability alone, never by its index.
+Shared by `verispec.sampling` (honest truncation sampling of the target) and the truncation rules
+(`verispec.rules.speccascade`, `typical`, `topk`, `topp`, `relaxed`), so both use the same sets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def entropy(probs: Tensor) -> Tensor:
+    """Shannon entropy in nats along the last dim (0 log 0 = 0): [...]."""
+    logs = torch.where(probs > 0, probs.clamp_min(torch.finfo(probs.dtype).tiny).log(), torch.zeros_like(probs))
+    return -(probs * logs).sum(-1)
+
+
+def min_p_mask(probs: Tensor, min_p: float) -> Tensor:
+    """Min-p (Nguyen et al. 2024; SpecCascade's gate): keep p(x) >= min_p * max p."""
+    return probs >= min_p * probs.amax(-1, keepdim=True)
+
+
+def eta_mask(probs: Tensor, eps: float, alpha: float) -> Tensor:
+    """Eta / typical gate (Hewitt et al. 2022; Medusa, Cai et al. 2024, eq. for typical acceptance):
+    keep p(x) > min(eps, alpha * exp(-H(p))), plus argmax p."""
+    threshold = torch.minimum(torch.full_like(probs[..., :1], eps), alpha * torch.exp(-entropy(probs))[..., None])
+    return (probs > threshold) | (probs >= probs.amax(-1, keepdim=True))
+
+
+def top_k_mask(probs: Tensor, k: int) -> Tensor:
+    """Top-k: keep tokens at least as probable as the k-th most probable one (ties kept)."""
+    k = min(k, probs.shape[-1])
+    kth = probs.topk(k, dim=-1).values[..., -1:]  # [..., 1]
+    return (probs >= kth) & (probs > 0)
+
+
+def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
+    """Top-p / nucleus (Holtzman et al. 2020): keep x when the mass strictly more probable than x
+    is below top_p — the smallest high-probability set reaching mass top_p, ties kept together."""
+    desc = probs.sort(-1, descending=True).values  # [..., V]
+    mass_before = desc.cumsum(-1) - desc  # exclusive cumulative mass in sorted order
+    # number of tokens strictly more probable than each token: searchsorted on the ascending -desc
+    n_above = torch.searchsorted((-desc).contiguous(), (-probs).contiguous(), side="left")  # [..., V], <= V-1
+    return (mass_before.gather(-1, n_above) < top_p) & (probs > 0)
+
+
+def relaxed_mask(probs: Tensor, top_n: int, delta: float) -> Tensor:
+    """TensorRT-LLM relaxed acceptance: in the top-n and p(x) >= max p - delta."""
+    return top_k_mask(probs, top_n) & (probs >= probs.amax(-1, keepdim=True) - delta)

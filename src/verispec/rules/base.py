@@ -1,0 +1,319 @@
+"""The verification-rule interface and the generic token-level sampling path.
+
+At one draft position a single-draft verification rule is two functions of the target distribution
+`p` (target_probs) and the draft distribution `q` (draft_probs) (DESIGN.md section 1):
+
+    accept(p, q)[x]   probability that the drafted token x is kept;
+    residual(p, q)    the distribution resampled from after a rejection;
+
+and the exact law of the token it emits there follows in closed form:
+
+    emitted(p, q) = q * accept + (1 - sum(q * accept)) * residual.
+
+`verify` is speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2)
+driven by the same two functions, so the law a rule is analysed with is the law it samples from.
+Token roles follow vLLM's rejection sampler: *accepted* draft tokens, then one *recovered* token
+(drawn from the residual at the first rejection) or, when every draft token is accepted, one *bonus*
+token drawn from the target at position K. All randomness is drawn up front: one uniform per draft
+position and one for the recovered/bonus token (`uniforms [B, K+1]`).
+
+Inputs are validated (finite, non-negative, rows summing to 1, shapes, token range) and a clear
+`ValueError` is raised otherwise; maths runs in the input dtype (float32 or float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor
+
+FAMILIES = ("lossless", "truncation", "collaborative", "bounded")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a rule spec: its key, type, default, allowed range (text) and check."""
+
+    key: str
+    kind: type
+    allowed: str
+    check: Callable[[Any], bool]
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one block per row.
+
+    num_accepted [B]: accepted draft tokens (0..K).
+    tokens [B, K+1]: the accepted draft tokens, then the recovered or bonus token, then -1 padding.
+    accept_probs [B, K]: the acceptance probability used at each draft position (beyond the first
+        rejection they were computed but not used).
+    bonus [B]: True where all K draft tokens were accepted and the last token is a bonus token.
+    """
+
+    num_accepted: Tensor
+    tokens: Tensor
+    accept_probs: Tensor
+    bonus: Tensor
+
+    @property
+    def num_emitted(self) -> Tensor:
+        return self.num_accepted + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# small pure helpers shared by the rules
+
+
+def normalize(weights: Tensor, fallback: Tensor) -> Tensor:
+    """`weights / sum(weights)` along the last dim, `fallback` where the sum is zero."""
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), fallback)
+
+
+def one_hot_argmax(probs: Tensor) -> Tensor:
+    """One-hot of argmax along the last dim (first index on ties), same dtype as `probs`."""
+    out = torch.zeros_like(probs)
+    return out.scatter_(-1, probs.argmax(-1, keepdim=True), 1.0)
+
+
+def ratio_accept(numerator: Tensor, draft_probs: Tensor) -> Tensor:
+    """`min(1, numerator / q)`, defined as 1 where q == 0 (such a token is never drafted)."""
+    safe = draft_probs.clamp_min(torch.finfo(draft_probs.dtype).tiny)
+    return torch.where(draft_probs > 0, (numerator / safe).clamp(max=1.0), torch.ones_like(draft_probs))
+
+
+def sample_from(probs: Tensor, uniform: Tensor) -> Tensor:
+    """Inverse-CDF sample of one token per row: probs [B, V], uniform [B] in [0, 1) -> [B] long.
+
+    Computed in float64; a token with zero probability is never returned.
+    """
+    cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
+    target = uniform.to(torch.float64)[:, None] * cdf[:, -1:]  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
+    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)  # [B]
+    return torch.minimum(idx, last_positive)
+
+
+def assemble_tokens(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) -> Tensor:
+    """[B, K+1]: the first num_accepted draft tokens, then `last` (recovered or bonus), then -1."""
+    b, k = draft_tokens.shape
+    positions = torch.arange(k, device=draft_tokens.device)
+    tokens = torch.where(positions < num_accepted[:, None], draft_tokens, -1)  # [B, K]
+    tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], dim=1)  # [B, K+1]
+    tokens[torch.arange(b, device=tokens.device), num_accepted] = last
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation
+
+
+def _sum_tolerance(dtype: torch.dtype, vocab: int) -> float:
+    if dtype == torch.float64:
+        return 1e-6
+    # float32 softmax over V entries sums to 1 within ~eps*sqrt(V) (measured: 6e-6 at V=50k).
+    return max(1e-6, torch.finfo(dtype).eps * math.sqrt(vocab))
+
+
+def check_probs(name: str, probs: Tensor) -> None:
+    """Raise ValueError unless `probs` is a float32/float64 tensor of distributions over the last dim."""
+    if not isinstance(probs, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
+    if probs.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} must be float32 or float64 probabilities, got {probs.dtype}")
+    if probs.ndim < 1 or probs.shape[-1] < 1:
+        raise ValueError(f"{name} must have a non-empty vocabulary dimension, got shape {tuple(probs.shape)}")
+    if probs.numel() == 0:
+        return
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"{name} contains NaN or inf")
+    if (probs < 0).any():
+        raise ValueError(f"{name} contains negative probabilities (min {probs.min().item():.3g})")
+    err = (probs.sum(-1) - 1).abs().max().item()
+    tol = _sum_tolerance(probs.dtype, probs.shape[-1])
+    if err > tol:
+        raise ValueError(f"{name} rows must sum to 1 (worst row is off by {err:.3g}, tolerance {tol:.1g})")
+
+
+def check_pair(target_probs: Tensor, draft_probs: Tensor) -> None:
+    check_probs("target_probs", target_probs)
+    check_probs("draft_probs", draft_probs)
+    if target_probs.shape != draft_probs.shape:
+        raise ValueError(
+            f"target_probs and draft_probs must have the same shape, got {tuple(target_probs.shape)} "
+            f"and {tuple(draft_probs.shape)}"
+        )
+    if target_probs.dtype != draft_probs.dtype:
+        raise ValueError(f"target_probs is {target_probs.dtype} but draft_probs is {draft_probs.dtype}")
+
+
+def check_block(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor) -> None:
+    """Validate the inputs of `verify`: p [B,K+1,V], q [B,K,V], x [B,K] with q(x) > 0."""
+    check_probs("target_probs", target_probs)
+    check_probs("draft_probs", draft_probs)
+    if target_probs.ndim != 3 or draft_probs.ndim != 3 or draft_tokens.ndim != 2:
+        raise ValueError(
+            "verify expects target_probs [B, K+1, V], draft_probs [B, K, V] and draft_tokens [B, K]; got "
+            f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
+        )
+    b, k1, v = target_probs.shape
+    if draft_probs.shape != (b, k1 - 1, v) or draft_tokens.shape != (b, k1 - 1):
+        raise ValueError(
+            "shape mismatch: target_probs [B, K+1, V] needs draft_probs [B, K, V] and draft_tokens [B, K]; got "
+            f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
+        )
+    if k1 < 2:
+        raise ValueError("verify needs at least one draft token (K >= 1)")
+    if target_probs.dtype != draft_probs.dtype:
+        raise ValueError(f"target_probs is {target_probs.dtype} but draft_probs is {draft_probs.dtype}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    if draft_tokens.numel() and (draft_tokens.min() < 0 or draft_tokens.max() >= v):
+        raise ValueError(
+            f"draft token outside the vocabulary: values must be in [0, {v}), got "
+            f"[{draft_tokens.min().item()}, {draft_tokens.max().item()}]"
+        )
+    drafted_q = draft_probs.gather(-1, draft_tokens.long()[..., None])
+    if (drafted_q <= 0).any():
+        raise ValueError("a draft token has zero probability under draft_probs: it cannot have been drafted")
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule interface
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A verification rule. Subclasses are frozen dataclasses whose fields are the spec parameters."""
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    lossless: ClassVar[bool] = False
+    source: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    lossless_when: ClassVar[str] = ""  # for parametrised rules: the setting at which they are lossless
+    params: ClassVar[tuple[Param, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for param in self.params:
+            value = getattr(self, param.key)
+            if not param.check(value):
+                raise ValueError(f"rule '{self.name}': {param.key}={value!r} is out of range; allowed: {param.allowed}")
+
+    # -- the maths, on validated tensors (subclasses implement these) --------------------------
+    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
+        raise NotImplementedError(f"rule '{self.name}' is not of the accept/residual form")
+
+    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
+        raise NotImplementedError(f"rule '{self.name}' is not of the accept/residual form")
+
+    def _residual_after(self, p: Tensor, q: Tensor, rejected: Tensor) -> Tensor:
+        """Residual given the rejected token (p, q [..., V], rejected [...]); most rules ignore it."""
+        return self._residual(p, q)
+
+    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        accept = self._accept(p, q)
+        kept = q * accept
+        return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * self._residual(p, q)
+
+    def _bonus(self, p: Tensor) -> Tensor:
+        """The law of the bonus token after K accepted draft tokens: the target itself."""
+        return p
+
+    def _baseline(self, p: Tensor) -> Tensor | None:
+        return None
+
+    # -- public API (validates, then runs the maths) --------------------------------------------
+    def accept(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+        """Probability that each token, once drafted, is kept: [..., V] in [0, 1]."""
+        check_pair(target_probs, draft_probs)
+        return self._accept(target_probs, draft_probs)
+
+    def residual(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+        """The distribution a rejected position is resampled from: [..., V]."""
+        check_pair(target_probs, draft_probs)
+        return self._residual(target_probs, draft_probs)
+
+    def residual_after(self, target_probs: Tensor, draft_probs: Tensor, rejected_tokens: Tensor) -> Tensor:
+        """The residual given the rejected draft token (rejected_tokens [...]): [..., V].
+
+        Equal to `residual` for every rule except those whose residual depends on the rejected token.
+        """
+        check_pair(target_probs, draft_probs)
+        if rejected_tokens.shape != target_probs.shape[:-1]:
+            raise ValueError(f"rejected_tokens must have shape {tuple(target_probs.shape[:-1])}")
+        return self._residual_after(target_probs, draft_probs, rejected_tokens.long())
+
+    def emitted(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+        """Exact law of the token emitted at one draft position (DESIGN.md section 1): [..., V]."""
+        check_pair(target_probs, draft_probs)
+        return self._emitted(target_probs, draft_probs)
+
+    def baseline(self, target_probs: Tensor) -> Tensor | None:
+        """The honest truncation baseline `norm(p * 1_A)` for truncation rules, else None."""
+        check_probs("target_probs", target_probs)
+        return self._baseline(target_probs)
+
+    def verify(
+        self,
+        target_probs: Tensor,
+        draft_probs: Tensor,
+        draft_tokens: Tensor,
+        generator: torch.Generator | None = None,
+    ) -> VerifyResult:
+        """Verify one block per row: p [B,K+1,V], q [B,K,V], x [B,K]. Randomness only from `generator`."""
+        b, k = draft_tokens.shape if draft_tokens.ndim == 2 else (0, 0)
+        uniforms = torch.rand((b, k + 1), generator=generator, dtype=torch.float64, device=target_probs.device)
+        return self.verify_with_uniforms(target_probs, draft_probs, draft_tokens, uniforms)
+
+    def verify_with_uniforms(
+        self, target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, uniforms: Tensor
+    ) -> VerifyResult:
+        """`verify` with its randomness given: uniforms [B, K+1] in [0, 1) (same noise, same output)."""
+        check_block(target_probs, draft_probs, draft_tokens)
+        return self._verify(target_probs, draft_probs, draft_tokens.long(), uniforms)
+
+    def _verify(self, p: Tensor, q: Tensor, x: Tensor, uniforms: Tensor) -> VerifyResult:
+        b, k = x.shape
+        accept_probs = self._accept(p[:, :k], q).gather(-1, x[..., None]).squeeze(-1)  # [B, K]
+        accepted = uniforms[:, :k] < accept_probs.to(torch.float64)  # [B, K]
+        num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+        rows = torch.arange(b, device=p.device)
+        j = num_accepted.clamp(max=k - 1)  # position of the first rejection, where there is one
+        recovered = self._residual_after(p[rows, j], q[rows, j], x[rows, j])  # [B, V]
+        bonus = num_accepted == k
+        law = torch.where(bonus[:, None], self._bonus(p[:, k]), recovered)  # [B, V]
+        tokens = assemble_tokens(x, num_accepted, sample_from(law, uniforms[:, k]))
+        return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_probs, bonus=bonus)
+
+    # -- description ----------------------------------------------------------------------------
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """One row of the catalogue table: name, family, lossless, parameters, summary, source."""
+        if cls.lossless_when:
+            lossless = cls.lossless_when
+        else:
+            lossless = "yes" if cls.lossless is True else "no"
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        params = []
+        for param in cls.params:
+            default = defaults.get(param.key, dataclasses.MISSING)
+            shown = "" if default is dataclasses.MISSING or default is None else f", default {default}"
+            params.append(f"{param.key} ({param.allowed}{shown})")
+        return {"rule": cls.name, "family": cls.family, "lossless": lossless,
+                "parameters": "; ".join(params) or "-", "what it does": cls.summary, "source": cls.source}
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string; `parse(rule.spec) == rule`."""
+        parts = [f"{param.key}={getattr(self, param.key)}" for param in self.params]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.spec

@@ -1,0 +1,60 @@
+"""The TV-budget rule (verispec's own, DESIGN.md section 2): the rule with the largest acceptance
+among all rules whose emitted law r satisfies TV(r, p) <= tv and r <= ratio * p.
+
+From r = p move mass m = min(tv, sum((min(q, ratio*p) - p)+), TV(p, q)) from tokens where p > q
+(proportionally to (p - q)+) to tokens where q > p (proportionally to (min(q, ratio*p) - p)+),
+then verify losslessly against r. Acceptance = 1 - TV(p, q) + m. Certificate: each token's law is
+within TV `tv` of the target's whatever the prefix, so an n-token response is within TV n*tv.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.rules.registry import register
+
+
+def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tensor:
+    """The law r the budget rule verifies against: [..., V]."""
+    cap = torch.where(p > 0, ratio * p, 0.0)  # r <= ratio * p; tokens with p = 0 stay impossible
+    give_room = (q.minimum(cap) - p).clamp_min(0)  # how much each token may receive
+    take_room = (p - q).clamp_min(0)  # how much each token may give; sums to TV(p, q)
+    give_total = give_room.sum(-1, keepdim=True)
+    take_total = take_room.sum(-1, keepdim=True)
+    moved = give_total.minimum(take_total).clamp(max=tv_budget)  # [..., 1]
+    return p - moved * normalize(take_room, 0 * p) + moved * normalize(give_room, 0 * p)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Budget(Rule):
+    name = "budget"
+    family = "bounded"
+    source = "verispec (DESIGN.md sec. 2): max acceptance s.t. TV(r,p) <= tv, r <= ratio*p"
+    summary = "largest acceptance with TV <= tv per token and overshoot <= ratio"
+    lossless_when = "only at tv = 0"
+    params = (
+        Param("tv", float, "0 <= tv <= 1 (0 = lossless)", lambda v: 0 <= v <= 1),
+        Param("ratio", float, "ratio >= 1 (may be inf)", lambda v: v >= 1 and not math.isnan(v)),
+    )
+    tv: float
+    ratio: float = 2.0
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        return self.tv == 0 or self.ratio == 1
+
+    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
+        return ratio_accept(budget_target(p, q, self.tv, self.ratio), q)
+
+    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
+        r = budget_target(p, q, self.tv, self.ratio)
+        return normalize((r - q).clamp_min(0), r)
+
+    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        return budget_target(p, q, self.tv, self.ratio)

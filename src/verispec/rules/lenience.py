@@ -1,0 +1,37 @@
+"""Lenient speculative sampling (Leviathan et al. 2023, section 3.5 / appendix A.5, "lenience"):
+accept min(1, p / (l * q)), residual norm((p - q)+).
+
+Closed form (DESIGN.md section 2): emitted = D*p + (1-D)*q where q <= p; q where p < q < p/l;
+p/l where q >= p/l; with D = sum((q - p/l)+) / TV(p, q). Overshoot is capped: emitted / p <= 1/l.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.rules.registry import register
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Lenience(Rule):
+    name = "lenience"
+    family = "collaborative"
+    source = "Leviathan et al. 2023, sec. 3.5 (lenience)"
+    summary = "accept min(1, p/(l*q)); overshoot capped at p/l"
+    lossless_when = "only at l = 1"
+    params = (Param("l", float, "0 < l <= 1 (1 = lossless)", lambda v: 0 < v <= 1),)
+    l: float
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        return self.l == 1
+
+    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
+        return ratio_accept(p / self.l, q)
+
+    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
+        return normalize((p - q).clamp_min(0), p)

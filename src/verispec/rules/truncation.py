@@ -1,0 +1,43 @@
+"""Truncation-based verification: accept the draft token iff it lies in a gate set A(p).
+
+emitted = q * 1_A + (1 - q(A)) * residual (DESIGN.md section 2). Inside A the output follows the
+*draft's* shape, not the target's, which is why these rules must be compared with the honest
+truncation baseline `p_A = norm(p * 1_A)` (lossless verification against the truncated target).
+
+The residual after a rejection differs between published implementations (`resample=`):
+`target` (the full target p, as in the reference implementation of the lossy-verification study),
+`truncated` (p_A) or `greedy` (argmax p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from verispec.rules.base import Param, Rule, normalize, one_hot_argmax
+
+RESAMPLE = Param("resample", str, "target | truncated | greedy", lambda v: v in ("target", "truncated", "greedy"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TruncationRule(Rule):
+    family = "truncation"
+    resample: str = "target"
+
+    def gate(self, p: Tensor) -> Tensor:
+        """The boolean gate set A(p) [..., V]; always contains argmax p."""
+        raise NotImplementedError
+
+    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
+        return self.gate(p).to(p.dtype)
+
+    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
+        if self.resample == "target":
+            return p
+        if self.resample == "truncated":
+            return self._baseline(p)
+        return one_hot_argmax(p)
+
+    def _baseline(self, p: Tensor) -> Tensor:
+        return normalize(p * self.gate(p), p)

@@ -1,0 +1,81 @@
+"""Shared fixtures for the rule tests: catalogue specs and (p, q) cases with edge cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Token-level tests skip BLOCK_RULES (tests/test_hsd.py checks them over whole blocks).
+BLOCK_RULES = {"hsd"}
+
+# Every rule of the catalogue with representative parameters, including every residual option.
+SPECS = [
+    "lossless",
+    "greedy",
+    "hsd",
+    "speccascade:min_p=0.3",
+    "speccascade:min_p=0.5,resample=truncated",
+    "speccascade:min_p=0.2,resample=greedy",
+    "typical:eps=0.09,alpha=0.3",
+    "typical:eps=0.3",
+    "typical:eps=0.2,resample=truncated",
+    "topk:k=2",
+    "topk:k=1,resample=truncated",
+    "topk:k=3,resample=greedy",
+    "topp:p=0.8",
+    "topp:p=0.5,resample=truncated",
+    "relaxed:n=3,delta=0.3",
+    "relaxed:n=2,delta=0.6,resample=greedy",
+    "lenience:l=0.5",
+    "lenience:l=0.2",
+    "lenience:l=1",
+    "cos:w=0.4",
+    "cos:w=0",
+    "cos:w=1",
+    "fuzzy:threshold=0.1",
+    "fuzzy:threshold=0.3,div=tv",
+    "fuzzy:threshold=0.5,div=kl",
+    "fuzzy:threshold=0",
+    "sglang:single=0.9,acc=0.5",
+    "sglang:single=0.3,acc=0.8",
+    "budget:tv=0.05,ratio=2",
+    "budget:tv=0.2,ratio=1.5",
+    "budget:tv=1,ratio=inf",
+    "budget:tv=0",
+]
+
+
+def dirichlet(rng: np.random.Generator, v: int, alpha: float = 1.0) -> np.ndarray:
+    return rng.dirichlet(np.full(v, alpha))
+
+
+def cases(v: int, seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, p, q) pairs in float64 over V = v tokens, random and edge cases."""
+    rng = np.random.default_rng(seed + 100 * v)
+    out: list[tuple[str, np.ndarray, np.ndarray]] = []
+    for i in range(4):
+        out.append((f"random{i}", dirichlet(rng, v), dirichlet(rng, v)))
+    out.append(("peaked", dirichlet(rng, v, 0.2), dirichlet(rng, v, 0.2)))
+    p = dirichlet(rng, v)
+    p[0] = 0.0
+    out.append(("p-has-zero", p / p.sum(), dirichlet(rng, v)))
+    q = dirichlet(rng, v)
+    q[-1] = 0.0
+    out.append(("q-has-zero", dirichlet(rng, v), q / q.sum()))
+    half = v // 2
+    p = np.zeros(v)
+    p[:half] = dirichlet(rng, half)
+    q = np.zeros(v)
+    q[half:] = dirichlet(rng, v - half)
+    out.append(("disjoint", p, q))
+    same = dirichlet(rng, v)
+    out.append(("equal", same, same.copy()))
+    out.append(("p-one-hot", np.eye(v)[v - 1], dirichlet(rng, v)))
+    out.append(("q-one-hot", dirichlet(rng, v), np.eye(v)[0]))
+    out.append(("both-one-hot-same", np.eye(v)[0], np.eye(v)[0]))
+    out.append(("both-one-hot-diff", np.eye(v)[0], np.eye(v)[v - 1]))
+    out.append(("uniform-p", np.full(v, 1.0 / v), dirichlet(rng, v)))
+    return [(n, torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)) for n, a, b in out]
+
+
+TOKEN_SPECS = [s for s in SPECS if s.partition(":")[0] not in BLOCK_RULES]

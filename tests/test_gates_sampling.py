@@ -1,0 +1,121 @@
+"""Truncation gates against brute-force references, sampling processors against transformers'
+logits warpers, and the distance functions on known values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import gates
+from verispec.diagnostics import js, kl, max_ratio, tail_mass, tv
+from verispec.sampling import SamplingConfig, process
+
+
+def rows(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = [rng.dirichlet(np.full(7, a)) for a in (0.3, 1.0, 3.0) for _ in range(5)]
+    ties = rng.choice([0.0, 1.0, 2.0, 2.0, 4.0], size=(10, 7))
+    ties[:, 0] += 1
+    out += list(ties / ties.sum(-1, keepdims=True))
+    out.append(np.full(7, 1 / 7))
+    out.append(np.eye(7)[3])
+    return [torch.tensor(r) for r in out]
+
+
+def brute(p: np.ndarray, kind: str, *args) -> np.ndarray:
+    v = len(p)
+    if kind == "top_k":
+        kth = np.sort(p)[::-1][min(args[0], v) - 1]
+        return (p >= kth) & (p > 0)
+    if kind == "top_p":
+        return np.array([p[p > p[x]].sum() < args[0] for x in range(v)]) & (p > 0)
+    if kind == "min_p":
+        return p >= args[0] * p.max()
+    if kind == "eta":
+        eps, alpha = args
+        h = -sum(pi * math.log(pi) for pi in p if pi > 0)
+        return (p > min(eps, alpha * math.exp(-h))) | (p == p.max())
+    if kind == "relaxed":
+        return brute(p, "top_k", args[0]) & (p >= p.max() - args[1])
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind,args",
+    [("top_k", (1,)), ("top_k", (3,)), ("top_k", (9,)), ("top_p", (0.5,)), ("top_p", (0.9,)), ("top_p", (1.0,)),
+     ("min_p", (0.1,)), ("min_p", (0.6,)), ("eta", (0.09, 0.3)), ("eta", (0.3, math.sqrt(0.3))),
+     ("relaxed", (3, 0.2)), ("relaxed", (5, 0.8))],
+)
+def test_gates_match_brute_force(kind, args):
+    fn = {"top_k": gates.top_k_mask, "top_p": gates.top_p_mask, "min_p": gates.min_p_mask,
+          "eta": gates.eta_mask, "relaxed": gates.relaxed_mask}[kind]
+    batch = torch.stack(rows())
+    mask = fn(batch, *args)
+    for i, p in enumerate(batch):
+        expected = brute(p.numpy(), kind, *args)
+        if kind == "top_p":  # a token whose mass-above equals top_p is a float coin toss: skip those
+            clear = np.array([abs(p[p > p[x]].sum().item() - args[0]) > 1e-9 for x in range(len(p))])
+            mask_i, expected = mask[i].numpy()[clear], expected[clear]
+        else:
+            mask_i = mask[i].numpy()
+        assert mask_i.tolist() == expected.tolist(), (kind, args, p)
+        assert mask[i][p.argmax()]  # argmax always kept
+
+
+def test_processors_match_transformers_warpers():
+    transformers = pytest.importorskip("transformers")
+    g = transformers.generation.logits_process
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 3
+    configs = [
+        (SamplingConfig(temperature=0.7), [g.TemperatureLogitsWarper(0.7)]),
+        (SamplingConfig(top_k=5), [g.TopKLogitsWarper(5)]),
+        (SamplingConfig(top_p=0.8), [g.TopPLogitsWarper(0.8)]),
+        (SamplingConfig(min_p=0.1), [g.MinPLogitsWarper(0.1)]),
+        (SamplingConfig(eta=0.05), [g.EtaLogitsWarper(0.05)]),
+        (SamplingConfig(temperature=1.3, top_k=20, top_p=0.9, min_p=0.05),
+         [g.TemperatureLogitsWarper(1.3), g.TopKLogitsWarper(20), g.TopPLogitsWarper(0.9), g.MinPLogitsWarper(0.05)]),
+    ]
+    ids = torch.zeros(16, 1, dtype=torch.long)
+    for config, warpers in configs:
+        hf = logits.clone()
+        for w in warpers:
+            hf = w(ids, hf)
+        torch.testing.assert_close(process(logits, config, torch.float64), hf.double().softmax(-1), rtol=0, atol=1e-6,
+                                   msg=str(config))
+
+
+def test_greedy_and_bad_settings():
+    logits = torch.tensor([[0.1, 2.0, -1.0]])
+    assert process(logits, SamplingConfig(temperature=0)).tolist() == [[0.0, 1.0, 0.0]]
+    for bad in (dict(temperature=-1), dict(top_k=0), dict(top_p=0), dict(top_p=1.5), dict(min_p=0), dict(eta=1),
+                dict(temperature=math.nan)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingConfig(**bad)
+    with pytest.raises(ValueError, match="NaN"):
+        process(torch.tensor([[0.0, math.nan]]), SamplingConfig())
+    with pytest.raises(ValueError, match="inf"):
+        process(torch.tensor([[-math.inf, -math.inf]]), SamplingConfig())
+
+
+def test_distances_known_values():
+    a = torch.tensor([0.5, 0.5, 0.0])
+    b = torch.tensor([0.25, 0.25, 0.5])
+    assert tv(a, b).item() == pytest.approx(0.5)
+    assert kl(a, b).item() == pytest.approx(math.log(2))
+    assert kl(b, a).item() == math.inf  # b has mass where a has none
+    m = (a.double() + b.double()) / 2
+    assert js(a, b).item() == pytest.approx(0.5 * (kl(a, m) + kl(b, m)).item())
+    assert 0 <= js(a, b).item() <= math.log(2)
+    assert max_ratio(a, b).item() == pytest.approx(2.0)
+    assert max_ratio(b, a).item() == math.inf
+    assert tail_mass(b, torch.tensor([0.6, 0.3999, 0.0001]), 1e-3).item() == pytest.approx(0.5)
+    same = torch.tensor([[0.2, 0.8], [1.0, 0.0]], dtype=torch.float64)
+    for fn in (tv, kl, js):
+        out = fn(same, same)
+        assert out.dtype == torch.float64 and out.shape == (2,) and (out == 0).all()
+    assert not torch.isnan(kl(torch.eye(3), torch.eye(3)[[1, 2, 0]])).any()
+    with pytest.raises(ValueError, match="same shape"):
+        tv(a, b[:2])
