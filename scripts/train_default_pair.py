@@ -11,8 +11,9 @@ Steps (each one is a sub-command; `all` runs them in order):
     python scripts/train_default_pair.py draft         # LlamaForCausalLM d=128 x 2 layers
     python scripts/train_default_pair.py card          # held-out losses, acceptance, cost ratio
 
-Everything is seeded (`SEED`); results are bit-reproducible for a fixed torch version and thread
-count. Weights are stored in bf16 safetensors; verispec computes in fp32 by default (the tiny draft
+Everything is seeded (`SEED`); results are reproducible for a fixed torch version, CPU and thread
+count. Training runs under bf16 autocast (fp32 master weights), which is about 2.5x faster than
+fp32 on a CPU with AVX512-BF16; evaluation runs in fp32. Weights are stored in bf16 safetensors; verispec computes in fp32 by default (the tiny draft
 is slower in bf16 than in fp32 on CPU). The draft is deliberately trained for fewer steps than it
 could use: a fully trained 0.95M draft gets too close to the target, and a lossy rule then has
 nothing to lose (see the model card for the measured gap).
@@ -136,7 +137,8 @@ def train_model(name: str, steps: int | None = None) -> None:
         batch = torch.stack([data[s : s + SEQ_LEN] for s in starts.tolist()])  # [BATCH, SEQ_LEN]
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        loss = model(input_ids=batch, labels=batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 matmuls: ~2.5x faster on AVX512-BF16 CPUs
+            loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from stats import chisquare_pvalue
+from streams import joint_law, stream_law
 from verispec.rules import parse
 from verispec.rules.hsd import hsd_levels
 
@@ -38,69 +39,11 @@ class Tables:
             return self.get("p", ctx)  # p == q at some contexts (the 0/0 corner of HSD)
         return w / w.sum()
 
+    def p(self, ctx: tuple[int, ...]) -> np.ndarray:
+        return self.get("p", ctx)
 
-def block_outcomes(rule_name: str, tables: Tables, ctx: tuple[int, ...], k: int, uncapped: bool = False):
-    """Exact {emitted tuple: prob} of one block from context ctx, drafts enumerated."""
-    v = tables.v
-    out: dict[tuple[int, ...], float] = {}
-    for x in itertools.product(range(v), repeat=k):
-        qs = [tables.get("q", ctx + x[:i]) for i in range(k)]
-        weight = float(np.prod([qs[i][x[i]] for i in range(k)]))
-        if weight == 0:
-            continue
-        ps = [tables.get("p", ctx + x[:i]) for i in range(k + 1)]
-        p = torch.tensor(np.stack(ps))[None]  # [1, K+1, V]
-        q = torch.tensor(np.stack(qs))[None]  # [1, K, V]
-        xt = torch.tensor(x)[None]  # [1, K]
-        if rule_name == "hsd":
-            h, res = hsd_levels(p, q, xt)
-            h, res = h[0].numpy().copy(), res[0].numpy()
-            if uncapped:  # the reference code's full-block acceptance min(1, R_K)
-                h[k] = min(1.0, float(np.prod([ps[i][x[i]] / qs[i][x[i]] for i in range(k)])))
-            reach = 1.0
-            for level in range(k, -1, -1):
-                dist = ps[k] if level == k else res[level]
-                stop = reach * h[level]
-                for tok in range(v):
-                    key = x[:level] + (tok,)
-                    out[key] = out.get(key, 0.0) + weight * stop * dist[tok]
-                reach *= 1 - h[level]
-        else:  # token-wise rule: accept left to right
-            rule = parse(rule_name)
-            reach = 1.0
-            for i in range(k):
-                a = rule.accept(p[0, i], q[0, i])[x[i]].item()
-                res = rule.residual_after(p[0, i], q[0, i], torch.tensor(x[i])).numpy()
-                for tok in range(v):
-                    key = x[:i] + (tok,)
-                    out[key] = out.get(key, 0.0) + weight * reach * (1 - a) * res[tok]
-                reach *= a
-            for tok in range(v):
-                out[x + (tok,)] = out.get(x + (tok,), 0.0) + weight * reach * ps[k][tok]
-    return out
-
-
-def stream_law(rule_name: str, tables: Tables, k: int, length: int, uncapped: bool = False) -> dict:
-    """Exact law of the first `length` generated tokens, iterating blocks."""
-    frontier = {(): 1.0}
-    final: dict[tuple[int, ...], float] = {}
-    while frontier:
-        nxt: dict[tuple[int, ...], float] = {}
-        for ctx, prob in frontier.items():
-            for emitted, w in block_outcomes(rule_name, tables, ctx, k, uncapped).items():
-                seq = ctx + emitted
-                bucket = final if len(seq) >= length else nxt
-                key = seq[:length]
-                bucket[key] = bucket.get(key, 0.0) + prob * w
-        frontier = nxt
-    return final
-
-
-def target_law(tables: Tables, length: int) -> dict:
-    law = {}
-    for seq in itertools.product(range(tables.v), repeat=length):
-        law[seq] = float(np.prod([tables.get("p", seq[:i])[seq[i]] for i in range(length)]))
-    return law
+    def q(self, ctx: tuple[int, ...]) -> np.ndarray:
+        return self.get("q", ctx)
 
 
 CONFIGS = [(2, 1, 3), (2, 3, 6), (3, 2, 5), (4, 2, 4), (3, 3, 5)]  # (V, K, L), L > K + 1 where affordable
@@ -111,8 +54,8 @@ CONFIGS = [(2, 1, 3), (2, 3, 6), (3, 2, 5), (4, 2, 4), (3, 3, 5)]  # (V, K, L), 
 @pytest.mark.parametrize("rule_name", ["hsd", "lossless"])
 def test_stream_law_is_the_target(rule_name, v, k, length, zeros):
     tables = Tables(v, seed=10 * v + k, zeros=zeros)
-    law = stream_law(rule_name, tables, k, length)
-    expected = target_law(tables, length)
+    law = stream_law(parse(rule_name), tables.p, tables.q, v, k, length)
+    expected = joint_law(tables.p, v, length)
     worst = max(abs(law.get(s, 0.0) - pr) for s, pr in expected.items())
     assert worst < 1e-12, worst
     assert abs(sum(law.values()) - 1) < 1e-12
@@ -120,8 +63,8 @@ def test_stream_law_is_the_target(rule_name, v, k, length, zeros):
 
 def test_uncapped_variant_is_lossy():
     tables = Tables(3, seed=32, zeros=False)
-    law = stream_law("hsd", tables, 2, 5, uncapped=True)
-    expected = target_law(tables, 5)
+    law = stream_law(parse("hsd"), tables.p, tables.q, 3, 2, 5, uncapped=True)
+    expected = joint_law(tables.p, 3, 5)
     assert max(abs(law.get(s, 0.0) - pr) for s, pr in expected.items()) > 1e-3
 
 

@@ -197,6 +197,7 @@ class Rule:
     lossless: ClassVar[bool] = False
     source: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    block_level: ClassVar[bool] = False  # verifies whole blocks (no per-position accept/residual)
     lossless_when: ClassVar[str] = ""  # for parametrised rules: the setting at which they are lossless
     params: ClassVar[tuple[Param, ...]] = ()
 

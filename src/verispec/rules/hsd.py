@@ -53,6 +53,7 @@ class HSD(Rule):
     name = "hsd"
     family = "lossless"
     lossless = True
+    block_level = True
     source = "Zhou et al. 2026 (HSD, Alg. 2, eqs. 16-20) = Sun et al. 2024 (block verification)"
     summary = "block-level: accept by capped joint ratio, hierarchical resampling"
 

@@ -1,0 +1,233 @@
+"""The decode loop: speculative decoding with any verification rule, and plain decoding beside it.
+
+One block (Leviathan et al. 2023, Algorithm 1): the drafter proposes k tokens from its processed
+distribution, the target scores all k+1 positions in **one** forward pass, the rule decides
+(`Rule.verify`), and the committed sequence grows by the accepted tokens plus one recovered or bonus
+token. Both model sessions hold KV caches that follow the committed sequence by cropping (see
+`verispec.models.base`). Sampling settings are applied identically to target and draft logits.
+
+Every emitted position is recorded with its exact shift statistics (`verispec.diagnostics.shift`):
+the rule's law of that token given its prefix is known in closed form, so the per-token
+log-likelihood ratio against the target is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from verispec.diagnostics.shift import position_stats
+from verispec.models.base import LanguageModel
+from verispec.rules import Rule, parse
+from verispec.rules.base import sample_from
+from verispec.sampling import SamplingConfig, process
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    k: int = 4
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_at_eos: bool = True
+    diagnostics: bool = True
+    keep_probs: bool = False  # keep the full V-sized target/draft rows of every emitted position
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {self.k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Block:
+    proposed: int  # draft tokens proposed
+    accepted: int  # of which the rule accepted
+    emitted: int  # tokens kept from this block (accepted + recovered/bonus, cut at EOS / max tokens)
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    steps: dict[str, list] | None  # per emitted position, see verispec.diagnostics.shift.FIELDS
+    target_calls: int
+    draft_calls: int
+    seconds: float
+    finish: str  # "eos" or "length"
+    rule: str
+    probs: dict[str, list[Tensor]] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def acceptance_rate(self) -> float:
+        proposed = sum(b.proposed for b in self.blocks)
+        return sum(b.accepted for b in self.blocks) / proposed if proposed else math.nan
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.num_tokens / self.target_calls if self.target_calls else math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def log_ratio(self) -> float:
+        """Exact log-likelihood ratio of the output under the rule vs the target: sum log law - log p."""
+        if not self.steps:
+            return 0.0
+        return float(sum(a - b if a != b else 0.0 for a, b in zip(self.steps["log_law"], self.steps["log_target"])))
+
+    def stats(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {
+            "rule": self.rule,
+            "tokens": self.num_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "block_efficiency": self.block_efficiency,
+            "tokens_per_second": self.tokens_per_second,
+            "seconds": self.seconds,
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+            "finish": self.finish,
+        }
+        if self.steps:
+            n = len(self.steps["tv"])
+            out["log_ratio"] = self.log_ratio
+            out["mean_tv"] = sum(self.steps["tv"]) / n
+            out["mean_kl"] = sum(self.steps["kl"]) / n
+            out["max_overshoot"] = max(self.steps["max_ratio"])
+            out["target_nll_per_token"] = -sum(self.steps["log_target_raw"]) / n
+        return out
+
+
+def _as_prompt(prompt_ids) -> Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(f"prompt_ids must be a list of token ids (batch size 1), got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt: give at least one token")
+    return ids
+
+
+def _check_tokens(ids: Tensor, vocab_size: int) -> None:
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got [{ids.min().item()}, {ids.max().item()}]")
+
+
+def _calls(obj) -> int:
+    model = getattr(obj, "model", obj)
+    return int(getattr(model, "calls", 0))
+
+
+class _Recorder:
+    """Collects per-position statistics and (optionally) full rows, block by block."""
+
+    def __init__(self, rule: Rule, config: DecodeConfig):
+        self.rule, self.config = rule, config
+        self.steps: dict[str, list] | None = {} if config.diagnostics else None
+        self.probs: dict[str, list[Tensor]] | None = {"target": [], "draft": []} if config.keep_probs else None
+
+    def add(self, logits: Tensor, p: Tensor, q: Tensor, tokens: Tensor, roles: list[str]) -> None:
+        """logits, p [n, V] at the kept positions; q [m, V] for the first m (drafted) positions."""
+        if self.steps is not None:
+            stats = position_stats(self.rule, p, q, tokens, roles)
+            stats["log_target_raw"] = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1).double().tolist()
+            for key, values in stats.items():
+                self.steps.setdefault(key, []).extend(values)
+        if self.probs is not None:
+            self.probs["target"].append(p.clone())
+            self.probs["draft"].append(q.clone())
+
+
+def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | str, config: DecodeConfig,
+                       generator: torch.Generator | None = None) -> Generation:
+    """Speculative decoding of one prompt (batch size 1)."""
+    rule = parse(rule) if isinstance(rule, str) else rule
+    if drafter.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})")
+    prompt = _as_prompt(prompt_ids)
+    _check_tokens(prompt, target.vocab_size)
+    sampling, eos = config.sampling, target.eos_token_id if config.stop_at_eos else None
+    session = target.session()
+    drafter.start()
+    record = _Recorder(rule, config)
+    blocks: list[Block] = []
+    calls0 = (_calls(target), _calls(drafter))
+    seq, new, finish = prompt, 0, "length"
+    start = time.perf_counter()
+    while new < config.max_new_tokens:
+        remaining = config.max_new_tokens - new
+        k = min(config.k, remaining - 1)  # a block emits up to k + 1 tokens
+        if k > 0:
+            drafts, q = drafter.propose(seq, k, sampling, generator)  # [1, k'], [1, k', V] (k' <= k)
+        else:
+            drafts, q = seq[:, :0], torch.zeros(1, 0, target.vocab_size)
+        kk = drafts.shape[1]
+        logits = session.logits_for(torch.cat([seq, drafts], 1), kk + 1)[0]  # [kk+1, V], one target pass
+        p = process(logits, sampling)  # [kk+1, V]
+        if kk:
+            result = rule.verify(p[None], q.to(p.dtype), drafts, generator)
+            n = int(result.num_accepted[0])
+            out = result.tokens[0, : n + 1]
+        else:
+            n = 0
+            out = sample_from(rule._bonus(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
+        roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
+        keep = min(len(out), remaining)
+        if eos is not None and (out[:keep] == eos).any():
+            keep = int((out[:keep] == eos).nonzero()[0]) + 1
+            finish = "eos"
+        record.add(logits[:keep], p[:keep], q[0, : min(kk, keep)], out[:keep], roles[:keep])
+        blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
+        seq = torch.cat([seq, out[None, :keep]], 1)
+        new += keep
+        if finish == "eos":
+            break
+    seconds = time.perf_counter() - start
+    return Generation(
+        prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
+        blocks=tuple(blocks), steps=record.steps, target_calls=_calls(target) - calls0[0],
+        draft_calls=_calls(drafter) - calls0[1], seconds=seconds, finish=finish, rule=rule.spec, probs=record.probs,
+    )
+
+
+def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfig,
+                          generator: torch.Generator | None = None) -> Generation:
+    """Plain decoding of the target with the same sampling settings: the baseline."""
+    prompt = _as_prompt(prompt_ids)
+    _check_tokens(prompt, target.vocab_size)
+    rule = parse("lossless")
+    eos = target.eos_token_id if config.stop_at_eos else None
+    session = target.session()
+    record = _Recorder(rule, config)
+    calls0 = _calls(target)
+    seq, finish = prompt, "length"
+    empty_q = torch.zeros(0, target.vocab_size)
+    start = time.perf_counter()
+    for _ in range(config.max_new_tokens):
+        logits = session.logits_for(seq, 1)[0]  # [1, V]
+        p = process(logits, config.sampling)  # [1, V]
+        tok = sample_from(p, torch.rand(1, generator=generator, dtype=torch.float64))  # [1]
+        record.add(logits, p, empty_q.to(p.dtype), tok, ["plain"])
+        seq = torch.cat([seq, tok[None]], 1)
+        if eos is not None and int(tok) == eos:
+            finish = "eos"
+            break
+    seconds = time.perf_counter() - start
+    n = seq.shape[1] - prompt.shape[1]
+    return Generation(
+        prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
+        blocks=tuple(Block(0, 0, 1) for _ in range(n)), steps=record.steps, target_calls=_calls(target) - calls0,
+        draft_calls=0, seconds=seconds, finish=finish, rule="plain", probs=record.probs,
+    )

@@ -1,0 +1,69 @@
+"""Per-position shift of a verification rule on a real run (DESIGN.md section 3).
+
+At every emitted position the token's exact law given its prefix is known: `rule.emitted(p, q)` at a
+draft position (accepted or recovered token), the rule's bonus law (p for every rule but greedy) at
+the bonus position. From it, in float64: TV and KL to the target, TV to the rule's honest baseline,
+overshoot (max law/p, mass on tokens with p below a tail threshold), the token's log-likelihood
+ratio log law(x) - log p(x) (summed over a sequence: an unbiased estimate of sequence-level
+KL(rule || target) when averaged over samples), and acceptance expected vs realised.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verispec.diagnostics.distances import kl, max_ratio, tail_mass, tv
+from verispec.rules.base import Rule
+
+ROLES = ("accepted", "recovered", "bonus", "plain")
+TAIL = 1e-3
+
+# one column per field, one row per emitted position
+FIELDS = (
+    "token", "role", "log_target", "log_law", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass",
+    "expected_accept", "draft_confidence", "draft_over_target",
+)
+
+
+def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str]) -> dict:
+    """Shift statistics of emitted positions.
+
+    target_probs [n, V]: the processed target at each emitted position; draft_probs [m, V] for the
+    first m positions (those that had a draft token; the rest are bonus/plain); tokens [n];
+    roles: one of ROLES per position. Returns {field: list} with one entry per position.
+    """
+    p = target_probs.to(torch.float64)
+    n, m = p.shape[0], draft_probs.shape[0]
+    q = draft_probs.to(torch.float64)
+    laws = [rule._emitted(p[:m], q)] if m else []
+    if n > m:
+        laws.append(rule._bonus(p[m:]))
+    law = torch.cat(laws, 0)  # [n, V]
+    base = rule._baseline(p)
+    idx = tokens.long()[:, None]
+    nan = torch.full((n,), torch.nan, dtype=torch.float64)
+    expected = nan.clone()
+    confidence = nan.clone()
+    over = nan.clone()
+    if m:
+        if not rule.block_level:  # a block rule has no per-position acceptance probability
+            expected[:m] = (q * rule._accept(p[:m], q)).sum(-1)
+        confidence[:m] = q.amax(-1)
+        over[:m] = q.gather(-1, idx[:m]).squeeze(-1) / p[:m].gather(-1, idx[:m]).squeeze(-1)
+    stats = {
+        "token": tokens.long(),
+        "log_target": p.gather(-1, idx).squeeze(-1).log(),
+        "log_law": law.gather(-1, idx).squeeze(-1).log(),
+        "tv": tv(law, p),
+        "kl": kl(law, p),
+        "tv_baseline": tv(law, base) if base is not None else nan,
+        "max_ratio": max_ratio(law, p),
+        "tail_mass": tail_mass(law, p, TAIL),
+        "expected_accept": expected,
+        "draft_confidence": confidence,
+        "draft_over_target": over,
+    }
+    out = {k: v.tolist() for k, v in stats.items()}
+    out["role"] = list(roles)
+    return out

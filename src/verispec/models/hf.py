@@ -1,0 +1,104 @@
+"""Hugging Face transformers backend: any `AutoModelForCausalLM`, from a directory or a GGUF file.
+
+Pinned to transformers 5.24 (its cache API moves between releases: in 5.x `DynamicCache.crop(n)`
+takes a *negative* number of tokens to remove, and the forward argument is `cache=`).
+Weights may be stored in bf16; computation is fp32 by default (the tiny default draft is slower in
+bf16 than in fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from verispec.models.base import CachedSession
+
+log = logging.getLogger(__name__)
+
+
+class HFModel:
+    """A causal LM with its tokenizer; loaded once, used by any number of sessions."""
+
+    def __init__(self, model, tokenizer, name: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id = eos if eos is not None else model.config.eos_token_id
+        self.calls = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def session(self) -> HFSession:
+        return HFSession(self)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def truncated(self, layers: int) -> HFModel:
+        """A self-draft: the first `layers` decoder layers plus the final norm and head, sharing weights."""
+        total = self.model.config.num_hidden_layers
+        if not 1 <= layers < total:
+            raise ValueError(f"self-draft needs 1 <= layers < {total} (the target's layer count), got {layers}")
+        draft = copy.copy(self.model)
+        draft.config = copy.copy(self.model.config)
+        draft.config.num_hidden_layers = layers
+        draft.model = copy.copy(self.model.model)
+        draft.model.config = draft.config
+        draft.model.layers = torch.nn.ModuleList(list(self.model.model.layers[:layers]))
+        return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]")
+
+
+class HFSession(CachedSession):
+    def __init__(self, owner: HFModel):
+        from transformers import DynamicCache
+
+        super().__init__()
+        self.owner = owner
+        self.cache = DynamicCache(config=owner.model.config)
+
+    def _crop(self, length: int) -> None:
+        current = self.cache.get_seq_length()
+        if length < current:
+            self.cache.crop(length - current)  # transformers 5.x: a negative count of tokens to remove
+
+    @torch.inference_mode()
+    def _feed(self, tokens: Tensor) -> Tensor:
+        self.owner.calls += 1
+        out = self.owner.model(input_ids=tokens.to(self.owner.device), cache=self.cache, use_cache=True)
+        return out.logits.float()
+
+
+def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,
+            device: str = "cpu", dtype: torch.dtype = torch.float32) -> HFModel:
+    """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (give a local directory, a .gguf file, or a named model)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; give a model directory or a GGUF file")
+        path, gguf_file = path.parent, path.name
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise FileNotFoundError(f"could not load a causal LM from {path}: {err}") from err
+    return HFModel(model.to(device), tokenizer, name or str(path / (gguf_file or "")))
