@@ -2,4 +2,7 @@
 
 from __future__ import annotations
 
+from verispec.api import GenerateResult, generate
+
 __version__ = "0.1.0"
+__all__ = ["GenerateResult", "generate"]

@@ -35,18 +35,100 @@ def cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default", help="named model (default, smollm2-135m) or local path")
+    parser.add_argument("--draft", default=None,
+                        help="draft model name/path, self:layers=N, ngram:n=N, or none (default: the target's "
+                             "default draft: default-draft for the default target, self:layers=8 for smollm2-135m)")
+    parser.add_argument("--device", default="cpu")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--eta", type=float, default=None)
+
+
+DEFAULT_DRAFTS = {"default": "default-draft", "smollm2-135m": "self:layers=8"}
+
+
+def default_draft(target: str) -> str:
+    if target not in DEFAULT_DRAFTS:
+        raise ValueError(f"no default draft for target '{target}': pass --draft (a model, self:layers=N or ngram:n=N)")
+    return DEFAULT_DRAFTS[target]
+
+
+def json_safe(obj):
+    """NaN -> null and +-inf -> "inf"/"-inf", recursively (strict JSON has neither)."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import json
+
+    from verispec.api import generate, resolve_target
+
+    target = resolve_target(args.target, args.device)  # fails first, and clearly, on an unknown model
+    draft = args.draft if args.draft is not None else default_draft(args.target)
+    result = generate(
+        args.prompt, target=target, draft=draft, rule=args.rule, k=args.k, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
+        seed=args.seed, chat=args.chat, device=args.device,
+    )
+    if args.json:
+        print(json.dumps(json_safe(result.to_json())))
+        return 0
+    s = result.stats
+    print(result.text)
+    print(
+        f"\n[{s['rule']}] {s['tokens']} tokens | acceptance {s['acceptance_rate']:.3f} | "
+        f"block efficiency {s['block_efficiency']:.2f} tokens/target call | {s['tokens_per_second']:.1f} tokens/s | "
+        f"mean TV to target {s.get('mean_tv', 0):.4f} | log-ratio vs target {s.get('log_ratio', 0):.3f}",
+        file=sys.stderr if args.quiet_stats else sys.stdout,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rules = sub.add_parser("rules", help="print the catalogue of verification rules")
     rules.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     rules.set_defaults(func=cmd_rules)
+
+    run = sub.add_parser("run", help="generate with speculative decoding and print the text and stats")
+    add_model_args(run)
+    run.add_argument("--rule", default="lossless", help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
+    run.add_argument("--prompt", required=True)
+    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--k", type=int, default=4, help="draft tokens per block")
+    add_sampling_args(run)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
+    run.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
+    run.add_argument("--quiet-stats", action="store_true", help="print the stats line to stderr")
+    run.set_defaults(func=cmd_run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:  # bad input: a clear message, nothing on stdout
+        print(f"verispec: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -126,8 +126,10 @@ def _check_tokens(ids: Tensor, vocab_size: int) -> None:
 
 
 def _calls(obj) -> int:
-    model = getattr(obj, "model", obj)
-    return int(getattr(model, "calls", 0))
+    """Forward passes counted by a model (or by a drafter's model); 0 for model-free drafters."""
+    if hasattr(obj, "calls"):
+        return int(obj.calls)
+    return int(getattr(getattr(obj, "model", None), "calls", 0))
 
 
 class _Recorder:

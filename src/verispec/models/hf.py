@@ -86,8 +86,11 @@ class HFSession(CachedSession):
 def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,
             device: str = "cpu", dtype: torch.dtype = torch.float32) -> HFModel:
     """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it)."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (give a local directory, a .gguf file, or a named model)")
