@@ -129,6 +129,9 @@ def test_truncation_emitted_formula_and_baseline():
                 residual = {"target": p, "truncated": base, "greedy": torch.eye(5, dtype=p.dtype)[p.argmax()]}[resample]
                 expected = q * gate + (1 - (q * gate).sum()) * residual
                 torch.testing.assert_close(rule.emitted(p, q), expected, rtol=0, atol=TOL, msg=f"{rule.spec} {name}")
+                honest = parse(f"honest:{rule.spec}")  # the honest baseline samples p_A exactly
+                torch.testing.assert_close(honest.emitted(p, q), base, rtol=0, atol=TOL)
+                torch.testing.assert_close(honest.baseline(p), base, rtol=0, atol=0)
 
 
 def test_non_truncation_rules_have_no_baseline():

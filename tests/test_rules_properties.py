@@ -54,7 +54,7 @@ def test_verify_properties(spec, data):
         assert 0 <= res.tokens[i, n] < p.shape[-1]  # then one recovered or bonus token
         assert (res.tokens[i, n + 1 :] == -1).all()  # then padding
         if n == k:
-            law = torch.eye(p.shape[-1], dtype=p.dtype)[p[i, k].argmax()] if rule.name == "greedy" else p[i, k]
+            law = rule._bonus(p[i, k])
         elif rule.name == "hsd":
             law = hsd_levels(p[i : i + 1], q[i : i + 1], x[i : i + 1])[1][0, n]
         else:
@@ -145,6 +145,8 @@ def test_emitted_rejects_bad_input():
         ("sglang:single=0,acc=0.5", ["sglang", "single"]),
         ("sglang:single=0.9,acc=0", ["sglang", "acc"]),
         ("greedy:x=1", ["greedy", "no parameter", "none"]),
+        ("honest", ["honest", "needs a truncation rule"]),
+        ("honest:lenience:l=0.5", ["honest", "wraps a truncation rule", "lenience"]),
         ("", ["non-empty"]),
     ],
 )

@@ -53,8 +53,8 @@ def fit_pvalues(rule, p, q, result) -> dict[str, float]:
         np.bincount(tokens[rows, 1], minlength=v), rule.emitted(p[1], q[1]).numpy()
     )
     rows = n_acc == 2
-    bonus = torch.eye(v, dtype=p.dtype)[p[2].argmax()] if rule.name == "greedy" else p[2]
-    out["bonus token ~ p2"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v), bonus.numpy())
+    bonus = rule._bonus(p[2])
+    out["bonus token ~ bonus law"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v), bonus.numpy())
     accept0 = (q[0] * rule.accept(p[0], q[0])).sum().item()
     accepted = int((n_acc >= 1).sum())
     out["first acceptance ~ sum(q0 * accept)"] = chisquare_pvalue(

@@ -99,6 +99,52 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l=0.5", "cos:w=0.5",
+              "budget:tv=0.05,ratio=2")
+
+
+def _finish_sweep(out: str, report: bool) -> int:
+    from verispec.bench.report import write_report
+
+    if report:
+        table, html_path = write_report(out)
+        print(table)
+        print(f"\nHTML report: {html_path.resolve()}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from verispec.bench.sweep import SweepSpec, run_sweep
+
+    draft = args.draft if args.draft is not None else default_draft(args.target)
+    spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
+                     temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds), limit=args.limit,
+                     max_new_tokens=args.max_new_tokens)
+    path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress)
+    print(f"results: {path.resolve()}", file=sys.stderr)
+    return _finish_sweep(args.out, not args.no_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from verispec.bench.report import write_report
+
+    table, html_path = write_report(args.dir, args.html)
+    print(table)
+    print(f"\nHTML report: {html_path.resolve()}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from verispec.bench.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft", rules=DEMO_RULES, temperatures=(1.0,),
+                     ks=(4,), seeds=(0, 1), limit=args.prompts, max_new_tokens=48)
+    print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the default pair "
+          f"(resumes if {args.out} already holds this sweep)", file=sys.stderr)
+    run_sweep(spec, args.out, resume=True, progress=not args.no_progress)
+    return _finish_sweep(args.out, True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +165,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
     run.add_argument("--quiet-stats", action="store_true", help="print the stats line to stderr")
     run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="sweep rules x temperatures x k x seeds over a suite, then report")
+    add_model_args(bench)
+    bench.add_argument("--suite", default="shakespeare",
+                       help="shakespeare, capitals, arithmetic, humaneval, gsm8k:PATH, math:PATH, mbpp:PATH")
+    bench.add_argument("--rules", nargs="+", default=["lossless"],
+                       help="rule specs; plain, lossless and honest truncation baselines are always added")
+    bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
+    bench.add_argument("--k", nargs="+", type=int, default=[4])
+    bench.add_argument("--seeds", nargs="+", type=int, default=[0])
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of the suite")
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="default: the suite's own")
+    bench.add_argument("--out", required=True, help="output directory (results.jsonl, sweep.json, report.html)")
+    bench.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--no-report", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+    report = sub.add_parser("report", help="terminal table and self-contained HTML report of a sweep")
+    report.add_argument("dir", help="a sweep's output directory (or its results.jsonl)")
+    report.add_argument("--html", default=None, help="where to write the HTML (default: DIR/report.html)")
+    report.set_defaults(func=cmd_report)
+
+    demo = sub.add_parser("demo", help="a small sweep on the default pair, then the report (a few minutes on CPU)")
+    demo.add_argument("--out", default="verispec-demo")
+    demo.add_argument("--prompts", type=int, default=8)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
@@ -126,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # bad input: a clear message, nothing on stdout
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: a clear message, nothing on stdout
         print(f"verispec: error: {err}", file=sys.stderr)
         return 2
 

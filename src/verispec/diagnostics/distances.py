@@ -27,7 +27,7 @@ def kl(a: Tensor, b: Tensor) -> Tensor:
     a, b = _f64(a, b)
     pos = a > 0
     terms = torch.where(pos, a * (a.clamp_min(1e-300).log() - b.clamp_min(1e-300).log()), 0.0)
-    out = terms.sum(-1)
+    out = terms.sum(-1).clamp_min(0)  # KL >= 0; rounding can leave -1e-17
     return torch.where((pos & (b <= 0)).any(-1), torch.inf, out)
 
 

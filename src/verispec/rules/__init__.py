@@ -11,6 +11,7 @@ from __future__ import annotations
 # Import order is catalogue order (names() lists rules as registered).
 from verispec.rules import lossless, greedy, hsd  # noqa: F401  (lossless; hsd is block-level)
 from verispec.rules import speccascade, typical, topk, topp, relaxed  # noqa: F401  (truncation)
+from verispec.rules import honest  # noqa: F401  (honest truncation baselines)
 from verispec.rules import lenience, cos, fuzzy, sglang  # noqa: F401  (collaborative)
 from verispec.rules import budget  # noqa: F401  (bounded by construction)
 from verispec.rules.base import Param, Rule, VerifyResult

@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-FAMILIES = ("lossless", "truncation", "collaborative", "bounded")
+FAMILIES = ("lossless", "truncation", "baseline", "collaborative", "bounded")
 
 
 @dataclass(frozen=True)

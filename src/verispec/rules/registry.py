@@ -56,6 +56,10 @@ def parse(spec: str) -> Rule:
         raise ValueError(f"a rule spec must be a non-empty string like 'lossless' or 'lenience:l=0.5', got {spec!r}")
     name, _, arg_text = spec.strip().partition(":")
     cls = rule_class(name.strip())
+    if cls.name == "honest":  # wraps a whole rule spec: honest:<truncation rule spec>
+        if not arg_text.strip():
+            raise ValueError("rule 'honest' needs a truncation rule to wrap, e.g. honest:speccascade:min_p=0.1")
+        return cls(inner=parse(arg_text))
     by_key = {p.key: p for p in cls.params}
     kwargs: dict[str, object] = {}
     for item in filter(None, (s.strip() for s in arg_text.split(","))):

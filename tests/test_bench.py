@@ -1,0 +1,207 @@
+"""The diagnostic framework: per-step shift, sweeps (kill + resume), the report, suites and scorers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.bench import load_results
+from verispec.bench.report import summarize, write_report
+from verispec.bench.store import ResultsFile, read_rows
+from verispec.decode import DecodeConfig, speculative_decode
+from verispec.diagnostics import kl, max_ratio, tail_mass, tv
+from verispec.models import load_drafter, load_model
+from verispec.rules import parse
+from verispec.sampling import SamplingConfig
+
+TARGET = os.environ.get("VERISPEC_TEST_TARGET", "default")
+DRAFT = os.environ.get("VERISPEC_TEST_DRAFT", "default-draft")
+TIMING = {"seconds", "tokens_per_second"}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = load_model(TARGET)
+    return target, load_drafter(DRAFT, target)
+
+
+@pytest.mark.parametrize("spec", ["lenience:l=0.5", "speccascade:min_p=0.2", "cos:w=0.5", "budget:tv=0.05",
+                                  "sglang:single=0.5,acc=0.5", "lossless", "hsd"])
+def test_step_metrics_equal_offline_recomputation(pair, spec):
+    target, drafter = pair
+    rule = parse(spec)
+    config = DecodeConfig(k=4, max_new_tokens=40, sampling=SamplingConfig(temperature=1.0), keep_probs=True,
+                          stop_at_eos=False)
+    gen = speculative_decode(target, drafter, target.encode("KING.\nWhat news?"), rule, config,
+                             torch.Generator().manual_seed(4))
+    p = torch.cat(gen.probs["target"]).double()  # [n, V], the processed target at each emitted position
+    laws, pos = [], 0
+    for block, q in zip(gen.blocks, gen.probs["draft"]):
+        m = q.shape[0]  # drafted positions kept from this block
+        laws.append(rule.emitted(p[pos : pos + m], q.double()))
+        if block.emitted > m:  # the bonus position
+            laws.append(rule._bonus(p[pos + m : pos + block.emitted]))
+        pos += block.emitted
+    law = torch.cat(laws)
+    tokens = torch.tensor(gen.token_ids)
+    steps = gen.steps
+    torch.testing.assert_close(torch.tensor(steps["tv"], dtype=torch.float64), tv(law, p), rtol=0, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(steps["kl"], dtype=torch.float64), kl(law, p), rtol=0, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(steps["max_ratio"], dtype=torch.float64), max_ratio(law, p), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(steps["tail_mass"], dtype=torch.float64), tail_mass(law, p), rtol=0, atol=1e-9)
+    llr = (law.gather(-1, tokens[:, None]).log() - p.gather(-1, tokens[:, None]).log()).sum().item()
+    assert gen.log_ratio == pytest.approx(llr, abs=1e-6)
+    if rule.lossless:
+        assert gen.log_ratio == 0.0 and max(steps["tv"]) == 0.0
+    else:
+        assert gen.log_ratio != 0.0
+    base = rule.baseline(p)
+    if base is not None:
+        torch.testing.assert_close(torch.tensor(steps["tv_baseline"], dtype=torch.float64), tv(law, base), rtol=0, atol=1e-9)
+
+
+def bench_cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "verispec", "bench", "--target", TARGET, "--draft", DRAFT, "--suite", "shakespeare",
+            "--rules", "lenience:l=0.5", "speccascade:min_p=0.1", "--limit", "3", "--seeds", "0", "1",
+            "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
+
+
+def comparable(rows: list[dict]) -> dict:
+    return {r["unit"]: {k: v for k, v in r.items() if k not in TIMING} for r in rows}
+
+
+def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
+    full = tmp_path / "full"
+    done = subprocess.run(bench_cmd(full), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "HTML report:" in done.stdout
+    expected = comparable(read_rows(full / "results.jsonl"))
+    assert len(expected) == 3 * 2 * 5  # prompts x seeds x (plain, lossless, lenience, speccascade, honest)
+
+    killed = tmp_path / "killed"
+    for stop_after in (4, 13):  # kill twice, at different points, with SIGKILL
+        proc = subprocess.Popen(bench_cmd(killed, *(["--resume"] if stop_after > 4 else [])),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_rows(killed / "results.jsonl")) < stop_after and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert len(read_rows(killed / "results.jsonl")) < len(expected)
+    with open(killed / "results.jsonl", "a") as f:
+        f.write('{"schema": 1, "unit": "partial')  # a row cut in the middle of its write
+    resumed = subprocess.run(bench_cmd(killed, "--resume"), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = read_rows(killed / "results.jsonl")
+    assert len(rows) == len({r["unit"] for r in rows}), "a unit was written twice"
+    assert comparable(rows) == expected
+    # results load into pandas in one line
+    frame = load_results(killed)
+    assert len(frame) == len(expected) and {"config", "score", "mean_tv", "log_ratio"} <= set(frame.columns)
+    # and the report covers every config
+    table, html_path = write_report(killed)
+    for config in {r["config"] for r in rows}:
+        assert config in table
+
+
+def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultsFile(path) as store:
+        store.append({"schema": 1, "unit": "a", "x": 1})
+        store.append({"schema": 1, "unit": "a", "x": 2})
+    with open(path, "a") as f:
+        f.write('{"schema": 1, "unit": "b", "x"')
+    with ResultsFile(path) as store:
+        assert store.done == {"a"}
+        store.append({"schema": 1, "unit": "b", "x": 3})
+    assert [r["unit"] for r in read_rows(path)] == ["a", "b"]
+    assert path.read_text().count("\n") == 2
+    path.write_text('{"schema": 99, "unit": "z"}\n')
+    with pytest.raises(ValueError, match="schema"):
+        ResultsFile(path)
+
+
+def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
+    from verispec.bench.sweep import SweepSpec, run_sweep
+
+    with pytest.raises(ValueError, match="lenience"):
+        run_sweep(SweepSpec(rules=("lenience:l=7",)), tmp_path / "x")
+    (tmp_path / "y").mkdir()
+    (tmp_path / "y" / "results.jsonl").write_text('{"schema": 1, "unit": "u"}\n')
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_sweep(SweepSpec(target=TARGET, draft=DRAFT), tmp_path / "y")
+
+
+def console_messages(html_path: Path, tmp_path: Path) -> tuple[str, list[str]]:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install chromium); CI installs it")
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
+           "--dump-dom", html_path.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout, [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
+    rows = []
+    for config, rule, fam in (("plain T=1", "plain", "plain"), ("lossless k=4 T=1", "lossless", "lossless"),
+                              ("cos:w=0.5 k=4 T=1", "cos:w=0.5", "collaborative")):
+        for prompt in ("a", "b", "c"):
+            rows.append({
+                "schema": 1, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
+                "temperature": 1.0, "prompt_id": prompt, "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5,
+                "proposed": 8, "accepted": 5, "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
+                "target_nll": 3.0, "score": 0.5, "score_name": "distinct_2",
+                "steps": {"role": ["accepted", "recovered"], "tv": [0.1, 0.2], "kl": [0.01, 0.02],
+                          "tv_baseline": [None, None], "max_ratio": [1.5, 2.0], "tail_mass": [0.0, 0.01],
+                          "draft_confidence": [0.9, 0.3], "draft_over_target": [3.0, 0.5]},
+            })
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, html_path = write_report(tmp_path)
+    dom, messages = console_messages(html_path, tmp_path)
+    assert messages == []
+    for config in ("plain T=1", "lossless k=4 T=1", "cos:w=0.5 k=4 T=1"):
+        assert config in dom
+    images = [part.split("'")[0] for part in dom.split("data:image/png;base64,")[1:]]
+    assert len(images) == 3 and all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
+    # the check can fail: a page with a script error is caught
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><body><script>undefinedFunction()</script></body></html>")
+    assert console_messages(bad, tmp_path)[1]
+
+
+def test_report_flags_and_baselines():
+    rows = []
+    for prompt in range(6):
+        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0), ("cos:w=0.9 k=4 T=1", "cos:w=0.9", 0.0),
+                                    ("topk:k=2,resample=target k=4 T=1", "topk:k=2", 0.9),
+                                    ("honest:topk:k=2,resample=target k=4 T=1", "honest:topk:k=2", 0.9 + 0.01 * prompt)):
+            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec, "family": "x", "k": 4,
+                         "temperature": 1.0, "prompt_id": str(prompt), "seed": 0, "tokens": 10, "seconds": 1.0,
+                         "target_calls": 4, "proposed": 8, "accepted": 6, "log_ratio": 0.1 * prompt, "mean_tv": 0.1,
+                         "target_nll": 2.0, "score": score + (0.001 * prompt if rule == "cos:w=0.9" else 0),
+                         "score_name": "exact_match", "steps": {}})
+    summary = {s["config"]: s for s in summarize(rows)}
+    assert summary["cos:w=0.9 k=4 T=1"]["baseline"] == "lossless k=4 T=1"
+    assert summary["cos:w=0.9 k=4 T=1"]["flag"] == "WORSE"
+    assert summary["topk:k=2,resample=target k=4 T=1"]["baseline"] == "honest:topk:k=2,resample=target k=4 T=1"
+    assert summary["topk:k=2,resample=target k=4 T=1"]["score_diff"] < 0
+    assert summary["lossless k=4 T=1"]["flag"] == ""
+    assert summary["lossless k=4 T=1"]["acceptance_rate"] == pytest.approx(0.75)
+    assert summary["lossless k=4 T=1"]["block_efficiency"] == pytest.approx(2.5)
+    assert summary["cos:w=0.9 k=4 T=1"]["seq_kl"] == pytest.approx(0.25)
+    assert math.isfinite(summary["cos:w=0.9 k=4 T=1"]["seq_kl_ci"])
