@@ -111,7 +111,7 @@ def make_model(name: str):
     return LlamaForCausalLM(config)
 
 
-def train_model(name: str, steps: int | None = None) -> None:
+def train_model(name: str, steps: int | None = None, out_name: str | None = None) -> None:
     torch.manual_seed(SEED)
     data = encode_corpus("train")
     held = encode_corpus("held")
@@ -149,7 +149,7 @@ def train_model(name: str, steps: int | None = None) -> None:
         if (step + 1) % 200 == 0 or step == steps - 1:
             print(f"{name} step {step + 1} held-out loss {held_out_loss(model, held):.4f}", flush=True)
             model.train()
-    out = WORK / name
+    out = WORK / (out_name or name)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     print(f"saved {out}", flush=True)
 
@@ -239,15 +239,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["tokenizer", "target", "draft", "card", "all"])
     parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
+    parser.add_argument("--out-name", default=None, help="save under build/train/NAME instead of target/draft")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("VERISPEC_TRAIN_THREADS", "2")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.step in ("tokenizer", "all"):
         train_tokenizer()
     if args.step in ("target", "all"):
-        train_model("target", args.steps)
+        train_model("target", args.steps, args.out_name)
     if args.step in ("draft", "all"):
-        train_model("draft", args.steps)
+        train_model("draft", args.steps, args.out_name)
     if args.step in ("card", "all"):
         write_card()
 

@@ -216,3 +216,18 @@ def test_cli_bad_input_is_clear_and_prints_nothing(args, message):
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stdout == ""
     assert message in out.stderr, out.stderr
+
+
+def test_lean_backend_equals_transformers(pair):
+    """The lean forward (preallocated cache, fused projections) gives transformers' logits, through
+    prefill, single steps, multi-token verification passes and rollbacks."""
+    from verispec.models.hf import HFModel
+
+    target, drafter = pair
+    for model in (target, drafter.model):
+        lean = HFModel(model.model, model.tokenizer, "lean", backend="lean").session()
+        ref = HFModel(model.model, model.tokenizer, "hf", backend="hf").session()
+        ids = torch.tensor([target.encode("To be, or not to be, that is the question: whether 'tis nobler")])
+        schedule = [(ids[:, :8], 1), (ids[:, :9], 1), (ids[:, :14], 5), (ids[:, :11], 2), (ids[:, :16], 3)]
+        for tokens, n in schedule:
+            torch.testing.assert_close(lean.logits_for(tokens, n), ref.logits_for(tokens, n), rtol=1e-4, atol=1e-4)

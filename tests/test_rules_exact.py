@@ -158,3 +158,18 @@ def test_sglang_closed_form_by_hand():
         others[x] = 0
         expected += rej[x] * others / others.sum()
     torch.testing.assert_close(law, expected, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("spec", TOKEN_SPECS)
+def test_fast_accept_at_equals_reference(spec):
+    """The fast path (acceptance at the drafted tokens only) equals gathering the full accept."""
+    rule = parse(spec)
+    cs = cases(5, seed=11)
+    p = torch.stack([c[1] for c in cs])[None]  # [1, N, V]
+    q = torch.stack([c[2] for c in cs])[None]
+    for tok in range(5):
+        x = torch.full((1, len(cs)), tok)
+        ok = q.gather(-1, x[..., None]).squeeze(-1) > 0  # only tokens that can be drafted
+        fast = rule._accept_at(p, q, x)[ok]
+        slow = rule._accept(p, q).gather(-1, x[..., None]).squeeze(-1)[ok]
+        assert torch.equal(fast, slow), (spec, tok)

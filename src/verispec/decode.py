@@ -179,7 +179,9 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
         logits = session.logits_for(torch.cat([seq, drafts], 1), kk + 1)[0]  # [kk+1, V], one target pass
         p = process(logits, sampling)  # [kk+1, V]
         if kk:
-            result = rule.verify(p[None], q.to(p.dtype), drafts, generator)
+            uniforms = torch.rand((1, kk + 1), generator=generator, dtype=torch.float64)
+            # p and q come from `process` (validated logits, exact distributions): skip re-validation
+            result = rule.verify_with_uniforms(p[None], q.to(p.dtype), drafts, uniforms, validate=False)
             n = int(result.num_accepted[0])
             out = result.tokens[0, : n + 1]
         else:

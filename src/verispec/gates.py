@@ -1,9 +1,14 @@
 """Truncation gates: the supports A(p) that truncation sampling and truncation verifiers keep.
 
 Every gate returns a boolean mask [..., V], always contains argmax p (so `norm(p * 1_A)` is
-defined) and never contains a token the target gives probability 0 (a truncated *support*). Ties are kept together: a token is in or out by its probability alone, never by its index.
+defined) and never contains a token the target gives probability 0 (a truncated *support*).
+Ties are kept together: a token is in or out by its probability alone, never by its index.
 Shared by `verispec.sampling` (honest truncation sampling of the target) and the truncation rules
 (`verispec.rules.speccascade`, `typical`, `topk`, `topp`, `relaxed`), so both use the same sets.
+
+Gates decided by per-row thresholds also accept `values` [..., n]: the probabilities of a few
+tokens of each row to test (the drafted ones) against the row's threshold, which gives exactly the
+same decisions as gathering the full mask, without a full [..., V] mask.
 """
 
 from __future__ import annotations
@@ -18,23 +23,26 @@ def entropy(probs: Tensor) -> Tensor:
     return -(probs * logs).sum(-1)
 
 
-def min_p_mask(probs: Tensor, min_p: float) -> Tensor:
+def min_p_mask(probs: Tensor, min_p: float, values: Tensor | None = None) -> Tensor:
     """Min-p (Nguyen et al. 2024; SpecCascade's gate): keep p(x) >= min_p * max p."""
-    return probs >= min_p * probs.amax(-1, keepdim=True)
+    values = probs if values is None else values
+    return values >= min_p * probs.amax(-1, keepdim=True)
 
 
-def eta_mask(probs: Tensor, eps: float, alpha: float) -> Tensor:
+def eta_mask(probs: Tensor, eps: float, alpha: float, values: Tensor | None = None) -> Tensor:
     """Eta / typical gate (Hewitt et al. 2022; Medusa, Cai et al. 2024, eq. for typical acceptance):
     keep p(x) > min(eps, alpha * exp(-H(p))), plus argmax p."""
-    threshold = torch.minimum(torch.full_like(probs[..., :1], eps), alpha * torch.exp(-entropy(probs))[..., None])
-    return (probs > threshold) | (probs >= probs.amax(-1, keepdim=True))
+    values = probs if values is None else values
+    threshold = (alpha * torch.exp(-entropy(probs))[..., None]).clamp(max=eps)  # [..., 1]
+    return (values > threshold) | (values >= probs.amax(-1, keepdim=True))
 
 
-def top_k_mask(probs: Tensor, k: int) -> Tensor:
+def top_k_mask(probs: Tensor, k: int, values: Tensor | None = None) -> Tensor:
     """Top-k: keep tokens at least as probable as the k-th most probable one (ties kept)."""
+    values = probs if values is None else values
     k = min(k, probs.shape[-1])
     kth = probs.topk(k, dim=-1).values[..., -1:]  # [..., 1]
-    return (probs >= kth) & (probs > 0)
+    return (values >= kth) & (values > 0)
 
 
 def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
@@ -47,6 +55,7 @@ def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
     return (mass_before.gather(-1, n_above) < top_p) & (probs > 0)
 
 
-def relaxed_mask(probs: Tensor, top_n: int, delta: float) -> Tensor:
+def relaxed_mask(probs: Tensor, top_n: int, delta: float, values: Tensor | None = None) -> Tensor:
     """TensorRT-LLM relaxed acceptance: in the top-n and p(x) >= max p - delta."""
-    return top_k_mask(probs, top_n) & (probs >= probs.amax(-1, keepdim=True) - delta)
+    values = probs if values is None else values
+    return top_k_mask(probs, top_n, values) & (values >= probs.amax(-1, keepdim=True) - delta)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -21,9 +22,23 @@ log = logging.getLogger(__name__)
 
 
 class HFModel:
-    """A causal LM with its tokenizer; loaded once, used by any number of sessions."""
+    """A causal LM with its tokenizer; loaded once, used by any number of sessions.
 
-    def __init__(self, model, tokenizer, name: str):
+    backend: "lean" runs Llama-architecture models through `verispec.models.lean` (same weights,
+    same maths, less overhead); "hf" runs transformers' own forward with a DynamicCache; "auto"
+    (default, or the VERISPEC_BACKEND environment variable) picks lean where it applies.
+    """
+
+    def __init__(self, model, tokenizer, name: str, backend: str | None = None):
+        from verispec.models import lean
+
+        backend = backend or os.environ.get("VERISPEC_BACKEND", "auto")
+        if backend not in ("auto", "lean", "hf"):
+            raise ValueError(f"backend must be auto, lean or hf, got {backend!r}")
+        if backend == "lean" and not lean.supports(model):
+            raise ValueError(f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
+        self.backend = "lean" if backend == "lean" or (backend == "auto" and lean.supports(model)) else "hf"
+        self._lean = None
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -40,7 +55,13 @@ class HFModel:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def session(self) -> HFSession:
+    def session(self):
+        if self.backend == "lean":
+            from verispec.models.lean import LeanLlama, LeanSession
+
+            if self._lean is None:
+                self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype)
+            return LeanSession(self, self._lean)
         return HFSession(self)
 
     def encode(self, text: str) -> list[int]:
@@ -60,7 +81,7 @@ class HFModel:
         draft.model = copy.copy(self.model.model)
         draft.model.config = draft.config
         draft.model.layers = torch.nn.ModuleList(list(self.model.model.layers[:layers]))
-        return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]")
+        return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]", backend=self.backend)
 
 
 class HFSession(CachedSession):

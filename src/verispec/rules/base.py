@@ -88,6 +88,11 @@ def ratio_accept(numerator: Tensor, draft_probs: Tensor) -> Tensor:
     return torch.where(draft_probs > 0, (numerator / safe).clamp(max=1.0), torch.ones_like(draft_probs))
 
 
+def at(probs: Tensor, tokens: Tensor) -> Tensor:
+    """probs [..., V] at tokens [...] -> [...]."""
+    return probs.gather(-1, tokens[..., None]).squeeze(-1)
+
+
 def sample_from(probs: Tensor, uniform: Tensor) -> Tensor:
     """Inverse-CDF sample of one token per row: probs [B, V], uniform [B] in [0, 1) -> [B] long.
 
@@ -131,14 +136,18 @@ def check_probs(name: str, probs: Tensor) -> None:
         raise ValueError(f"{name} must have a non-empty vocabulary dimension, got shape {tuple(probs.shape)}")
     if probs.numel() == 0:
         return
+    # two passes (min, row sums) catch everything: NaN fails `min >= 0`, +inf breaks a row sum
+    low = probs.amin()
+    sums = probs.sum(-1)
+    tol = _sum_tolerance(probs.dtype, probs.shape[-1])
+    err = (sums - 1).abs().max()
+    if bool(low >= 0) and bool(err <= tol):
+        return
     if not torch.isfinite(probs).all():
         raise ValueError(f"{name} contains NaN or inf")
-    if (probs < 0).any():
-        raise ValueError(f"{name} contains negative probabilities (min {probs.min().item():.3g})")
-    err = (probs.sum(-1) - 1).abs().max().item()
-    tol = _sum_tolerance(probs.dtype, probs.shape[-1])
-    if err > tol:
-        raise ValueError(f"{name} rows must sum to 1 (worst row is off by {err:.3g}, tolerance {tol:.1g})")
+    if bool(low < 0):
+        raise ValueError(f"{name} contains negative probabilities (min {low.item():.3g})")
+    raise ValueError(f"{name} rows must sum to 1 (worst row is off by {err.item():.3g}, tolerance {tol:.1g})")
 
 
 def check_pair(target_probs: Tensor, draft_probs: Tensor) -> None:
@@ -214,6 +223,12 @@ class Rule:
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError(f"rule '{self.name}' is not of the accept/residual form")
 
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        """Acceptance probability of the drafted tokens only: p, q [B, K, V], x [B, K] -> [B, K].
+
+        Rules whose accept is elementwise override this to skip the full [B, K, V] pass."""
+        return self._accept(p, q).gather(-1, x[..., None]).squeeze(-1)
+
     def _residual_after(self, p: Tensor, q: Tensor, rejected: Tensor) -> Tensor:
         """Residual given the rejected token (p, q [..., V], rejected [...]); most rules ignore it."""
         return self._residual(p, q)
@@ -274,15 +289,20 @@ class Rule:
         return self.verify_with_uniforms(target_probs, draft_probs, draft_tokens, uniforms)
 
     def verify_with_uniforms(
-        self, target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, uniforms: Tensor
+        self, target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, uniforms: Tensor,
+        validate: bool = True,
     ) -> VerifyResult:
-        """`verify` with its randomness given: uniforms [B, K+1] in [0, 1) (same noise, same output)."""
-        check_block(target_probs, draft_probs, draft_tokens)
+        """`verify` with its randomness given: uniforms [B, K+1] in [0, 1) (same noise, same output).
+
+        validate=False skips the input checks, for callers that built the inputs themselves (the decode
+        loop gets p and q from `verispec.sampling.process`)."""
+        if validate:
+            check_block(target_probs, draft_probs, draft_tokens)
         return self._verify(target_probs, draft_probs, draft_tokens.long(), uniforms)
 
     def _verify(self, p: Tensor, q: Tensor, x: Tensor, uniforms: Tensor) -> VerifyResult:
         b, k = x.shape
-        accept_probs = self._accept(p[:, :k], q).gather(-1, x[..., None]).squeeze(-1)  # [B, K]
+        accept_probs = self._accept_at(p[:, :k], q, x)  # [B, K]
         accepted = uniforms[:, :k] < accept_probs.to(torch.float64)  # [B, K]
         num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
         rows = torch.arange(b, device=p.device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.rules.base import Param, Rule, at, normalize, ratio_accept
 from verispec.rules.registry import register
 
 
@@ -33,6 +33,9 @@ class CoS(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return ratio_accept(self.mixture(p, q), q)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return ratio_accept(self.mixture(at(p, x), at(q, x)), at(q, x))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         mix = self.mixture(p, q)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.rules.base import Param, Rule, at, normalize, ratio_accept
 from verispec.rules.registry import register
 
 
@@ -32,6 +33,13 @@ class Lenience(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return ratio_accept(p / self.l, q)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return ratio_accept(at(p, x) / self.l, at(q, x))
+
+    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        kept = torch.minimum(q, p / self.l)  # q * accept, elementwise
+        return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * self._residual(p, q)
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         return normalize((p - q).clamp_min(0), p)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Rule, normalize, ratio_accept
+from verispec.rules.base import Rule, at, normalize, ratio_accept
 from verispec.rules.registry import register
 
 
@@ -24,6 +24,9 @@ class Lossless(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return ratio_accept(p, q)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return ratio_accept(at(p, x), at(q, x))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         return normalize((p - q).clamp_min(0), p)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from verispec.gates import relaxed_mask
+from verispec.rules.base import at
 from verispec.rules.registry import register
 from verispec.rules.truncation import RESAMPLE, Param, TruncationRule
 
@@ -29,3 +30,6 @@ class Relaxed(TruncationRule):
 
     def gate(self, p: Tensor) -> Tensor:
         return relaxed_mask(p, self.n, self.delta)
+
+    def gate_at(self, p: Tensor, x: Tensor) -> Tensor:
+        return relaxed_mask(p, self.n, self.delta, values=at(p, x)[..., None])[..., 0]

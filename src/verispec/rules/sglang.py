@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, normalize
+from verispec.rules.base import Param, Rule, at, normalize
 from verispec.rules.registry import register
 
 
@@ -33,6 +33,9 @@ class SGLang(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return torch.where(p >= self.single, torch.ones_like(p), (p / self.acc).clamp(max=1.0))
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return self._accept(at(p, x), at(q, x))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError("sglang's residual depends on the rejected token; see _residual_after")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from verispec.gates import min_p_mask
+from verispec.rules.base import at
 from verispec.rules.registry import register
 from verispec.rules.truncation import RESAMPLE, Param, TruncationRule
 
@@ -23,3 +24,6 @@ class SpecCascade(TruncationRule):
 
     def gate(self, p: Tensor) -> Tensor:
         return min_p_mask(p, self.min_p)
+
+    def gate_at(self, p: Tensor, x: Tensor) -> Tensor:
+        return min_p_mask(p, self.min_p, values=at(p, x)[..., None])[..., 0]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from verispec.gates import top_k_mask
+from verispec.rules.base import at
 from verispec.rules.registry import register
 from verispec.rules.truncation import RESAMPLE, Param, TruncationRule
 
@@ -23,3 +24,6 @@ class TopK(TruncationRule):
 
     def gate(self, p: Tensor) -> Tensor:
         return top_k_mask(p, self.k)
+
+    def gate_at(self, p: Tensor, x: Tensor) -> Tensor:
+        return top_k_mask(p, self.k, values=at(p, x)[..., None])[..., 0]

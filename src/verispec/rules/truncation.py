@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, normalize, one_hot_argmax
+from verispec.rules.base import Param, Rule, at, normalize, one_hot_argmax
 
 RESAMPLE = Param("resample", str, "target | truncated | greedy", lambda v: v in ("target", "truncated", "greedy"))
 
@@ -29,8 +29,15 @@ class TruncationRule(Rule):
         """The boolean gate set A(p) [..., V]; always contains argmax p."""
         raise NotImplementedError
 
+    def gate_at(self, p: Tensor, x: Tensor) -> Tensor:
+        """Whether the tokens x [...] are in A(p), p [..., V] -> bool [...] (same decisions as `gate`)."""
+        return at(self.gate(p), x)
+
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return self.gate(p).to(p.dtype)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return self.gate_at(p, x).to(p.dtype)
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         if self.resample == "target":

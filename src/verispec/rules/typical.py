@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from verispec.gates import eta_mask
+from verispec.rules.base import at
 from verispec.rules.registry import register
 from verispec.rules.truncation import RESAMPLE, Param, TruncationRule
 
@@ -35,3 +36,6 @@ class Typical(TruncationRule):
 
     def gate(self, p: Tensor) -> Tensor:
         return eta_mask(p, self.eps, self.alpha)
+
+    def gate_at(self, p: Tensor, x: Tensor) -> Tensor:
+        return eta_mask(p, self.eps, self.alpha, values=at(p, x)[..., None])[..., 0]

@@ -1,0 +1,149 @@
+"""A lean forward pass for Llama-architecture models (Touvron et al. 2023), for decoding speed.
+
+Same maths as transformers' `LlamaForCausalLM` (RMSNorm, rotary embeddings with the default RoPE,
+grouped-query attention, SwiGLU MLP, optionally tied head), reading the very same weight tensors,
+but without per-call framework overhead: q/k/v and gate/up projections are fused into one matmul
+each, rotary tables are precomputed, and the KV cache is a preallocated buffer per layer, so a
+rollback after rejected draft tokens is just a shorter length (no copy). Tests check its logits
+against the transformers model it wraps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from verispec.models.base import CachedSession
+
+
+def supports(model) -> bool:
+    """Whether `model` is a Llama-style model this lean pass reproduces exactly."""
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return (getattr(cfg, "model_type", "") == "llama" and rope.get("rope_type", "default") == "default"
+            and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "pretraining_tp", 1) > 1)
+
+
+class LeanLlama:
+    """Weights of a transformers Llama model, laid out for a fast incremental forward."""
+
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
+        if not supports(hf_model):
+            raise ValueError(f"the lean backend supports Llama models with default RoPE, got {hf_model.config.model_type}")
+        cfg = hf_model.config
+        self.dtype = dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        inner = hf_model.model
+        cast = lambda t: t.detach().to(dtype)  # noqa: E731
+        self.embed = cast(inner.embed_tokens.weight)
+        self.layers = []
+        for layer in inner.layers[: cfg.num_hidden_layers]:
+            att, mlp = layer.self_attn, layer.mlp
+            bias = None
+            if att.q_proj.bias is not None:
+                bias = cast(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+            self.layers.append({
+                "norm_in": cast(layer.input_layernorm.weight), "norm_post": cast(layer.post_attention_layernorm.weight),
+                "qkv": cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), "qkv_bias": bias,
+                "o": cast(att.o_proj.weight), "o_bias": None if att.o_proj.bias is None else cast(att.o_proj.bias),
+                "gate_up": cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                "down": cast(mlp.down_proj.weight),
+            })
+            if mlp.gate_proj.bias is not None:
+                raise ValueError("the lean backend does not support MLP biases")
+        self.norm = cast(inner.norm.weight)
+        self.head = cast(hf_model.get_output_embeddings().weight)
+        theta = cfg.rope_parameters["rope_theta"]
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        self._rope(max(256, cfg.max_position_embeddings))
+
+    def _rope(self, length: int) -> None:
+        freqs = torch.arange(length, dtype=torch.float)[:, None] * self.inv_freq[None]  # [L, hd/2]
+        emb = torch.cat([freqs, freqs], -1)  # [L, hd]
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _rms(self, x: Tensor, weight: Tensor) -> Tensor:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    def forward(self, tokens: Tensor, cache: LeanCache) -> Tensor:
+        """tokens [B, m] at positions cache.length .. +m -> logits [B, m, V] (float32); extends the cache."""
+        b, m = tokens.shape
+        start = cache.length
+        end = start + m
+        cache.reserve(end)
+        if end > self.cos.shape[0]:
+            self._rope(2 * end)
+        cos, sin = self.cos[start:end], self.sin[start:end]  # [m, hd]
+        nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
+        mask = None
+        if m > 1:  # causal among the new tokens; every new token sees the whole cached prefix
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [m, end]
+        x = self.embed[tokens]  # [B, m, d]
+        for i, w in enumerate(self.layers):
+            h = self._rms(x, w["norm_in"])
+            qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [B, m, nq + 2 nkv]
+            q = qkv[..., :nq].view(b, m, self.n_heads, hd).transpose(1, 2)  # [B, H, m, hd]
+            k = qkv[..., nq : nq + nkv].view(b, m, self.n_kv, hd).transpose(1, 2)  # [B, Hkv, m, hd]
+            v = qkv[..., nq + nkv :].view(b, m, self.n_kv, hd).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            keys, values = cache.write(i, start, k, v)  # [B, Hkv, end, hd]
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            x = x + F.linear(att.transpose(1, 2).reshape(b, m, nq), w["o"], w["o_bias"])  # [B, m, d]
+            h = self._rms(x, w["norm_post"])
+            gate, up = F.linear(h, w["gate_up"]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w["down"])
+        cache.length = end
+        return F.linear(self._rms(x, self.norm), self.head).float()
+
+
+class LeanCache:
+    """Preallocated keys/values per layer: [B, Hkv, capacity, hd], grown by doubling."""
+
+    def __init__(self, model: LeanLlama, batch: int = 1, capacity: int = 512):
+        self.model, self.batch, self.length = model, batch, 0
+        shape = (batch, model.n_kv, capacity, model.head_dim)
+        self.k = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
+        self.v = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
+
+    def reserve(self, length: int) -> None:
+        capacity = self.k[0].shape[2]
+        if length <= capacity:
+            return
+        new = max(length, 2 * capacity)
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                grown = torch.empty((*old.shape[:2], new, old.shape[3]), dtype=old.dtype)
+                grown[:, :, : self.length] = old[:, :, : self.length]
+                store[i] = grown
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class LeanSession(CachedSession):
+    def __init__(self, owner, lean: LeanLlama):
+        super().__init__()
+        self.owner, self.lean = owner, lean
+        self.cache = LeanCache(lean)
+
+    def _crop(self, length: int) -> None:
+        self.cache.length = min(self.cache.length, length)  # the buffer keeps its storage
+
+    @torch.inference_mode()
+    def _feed(self, tokens: Tensor) -> Tensor:
+        self.owner.calls += 1
+        return self.lean.forward(tokens, self.cache)
