@@ -115,7 +115,7 @@ def test_every_rule_runs_on_the_default_pair(pair):
         spec = {"speccascade": "speccascade:min_p=0.1", "typical": "typical:eps=0.09,alpha=0.3", "topk": "topk:k=8",
                 "topp": "topp:p=0.9", "relaxed": "relaxed:n=10,delta=0.6", "lenience": "lenience:l=0.5",
                 "cos": "cos:w=0.4", "fuzzy": "fuzzy:threshold=0.1", "sglang": "sglang:single=0.9,acc=0.5",
-                "budget": "budget:tv=0.05,ratio=2"}.get(name, name)
+                "budget": "budget:tv=0.05,ratio=2", "honest": "honest:speccascade:min_p=0.1"}.get(name, name)
         out = generate(PROMPTS[0], target=target, draft=drafter, rule=spec, max_new_tokens=12, seed=0)
         assert 1 <= len(out.token_ids) <= 12 and out.stats["rule"] == parse(spec).spec
         if parse(spec).lossless:
@@ -231,3 +231,19 @@ def test_lean_backend_equals_transformers(pair):
         schedule = [(ids[:, :8], 1), (ids[:, :9], 1), (ids[:, :14], 5), (ids[:, :11], 2), (ids[:, :16], 3)]
         for tokens, n in schedule:
             torch.testing.assert_close(lean.logits_for(tokens, n), ref.logits_for(tokens, n), rtol=1e-4, atol=1e-4)
+
+
+def test_default_tokenizer_round_trips_with_proper_spacing():
+    if TARGET != "default":
+        pytest.skip("checks the embedded default tokenizer")
+    from verispec.bench.suites import load_suite
+
+    target = load_model("default")
+    texts = [item.prompt for item in load_suite("shakespeare").items]
+    texts += ["To be, or not to be: that is the question.", "  two  spaces,\ttabs\nand 'quotes' -- dashes!", "émigré"]
+    for text in texts:
+        ids = target.encode(text)
+        assert target.decode(ids) == text
+    words = target.decode(target.encode("What says the queen?"))
+    assert words == "What says the queen?"  # no spaces dropped or added around words and punctuation
+    assert load_model("default") is target  # loaded once, reused

@@ -206,6 +206,7 @@ class Rule:
     lossless: ClassVar[bool] = False
     source: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    usage: ClassVar[str] = ""  # parameters in words, for rules whose spec is not key=value pairs
     block_level: ClassVar[bool] = False  # verifies whole blocks (no per-position accept/residual)
     lossless_when: ClassVar[str] = ""  # for parametrised rules: the setting at which they are lossless
     params: ClassVar[tuple[Param, ...]] = ()
@@ -328,7 +329,7 @@ class Rule:
             shown = "" if default is dataclasses.MISSING or default is None else f", default {default}"
             params.append(f"{param.key} ({param.allowed}{shown})")
         return {"rule": cls.name, "family": cls.family, "lossless": lossless,
-                "parameters": "; ".join(params) or "-", "what it does": cls.summary, "source": cls.source}
+                "parameters": "; ".join(params) or cls.usage or "-", "what it does": cls.summary, "source": cls.source}
 
     @property
     def spec(self) -> str:

@@ -26,6 +26,7 @@ class Honest(Rule):
     lossless_when = "exact vs truncation sampling of p"
     source = "Leviathan et al. 2023 (Alg. 1) against the truncated target p_A"
     summary = "lossless against p_A = norm(p * 1_A) of a truncation rule"
+    usage = "a truncation rule spec, e.g. honest:speccascade:min_p=0.1"
     inner: TruncationRule
 
     def __post_init__(self) -> None:

@@ -25,26 +25,41 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Rule, VerifyResult, assemble_tokens, normalize, sample_from
+from verispec.rules.base import Rule, VerifyResult, assemble_tokens, at, normalize, sample_from
 from verispec.rules.registry import register
+
+
+def _prefix_weights(p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+    """a [B, K+1] in float64: a_k = R_k / max_{i<=k} R_i, R_k the prefix joint ratio (R_0 = 1)."""
+    k = x.shape[1]
+    ratio = at(p[:, :k], x).double() / at(q, x).double()  # [B, K]
+    log_ratio = torch.cumsum(ratio.log(), -1)  # L_1..L_K, -inf after a zero target probability
+    log_prefix = torch.cat([torch.zeros_like(log_ratio[:, :1]), log_ratio], -1)  # [B, K+1], L_0 = 0
+    return torch.exp(log_prefix - torch.cummax(log_prefix, -1).values)
+
+
+def _stop_probs(p: Tensor, q: Tensor, a: Tensor) -> Tensor:
+    """h [B, K+1] in float64 from the residual masses A_k = sum((a_k p_k - q_k)+)."""
+    k = q.shape[1]
+    weight = a[:, :k, None].to(p.dtype)  # [B, K, 1]
+    mass = torch.addcmul(-q, weight, p[:, :k]).clamp_min_(0).sum(-1).double()  # [B, K], one temporary
+    h = torch.where(mass > 0, mass / (mass + 1 - a[:, :k]).clamp_min(1e-300), 0.0).clamp(0, 1)  # [B, K]
+    h[:, 0] = 1.0
+    return torch.cat([h, a[:, k:]], -1)  # [B, K+1]
+
+
+def _residual(p_k: Tensor, q_k: Tensor, a_k: Tensor) -> Tensor:
+    """norm((a_k p_k - q_k)+) for rows p_k, q_k [..., V], a_k [...]; p_k where the mass is zero."""
+    w = torch.addcmul(-q_k, a_k[..., None].to(p_k.dtype), p_k).clamp_min_(0)
+    return normalize(w, p_k)
 
 
 def hsd_levels(p: Tensor, q: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
     """Stop probabilities h [B, K+1] (h[:, 0] = 1, h[:, K] = full acceptance) and the residual laws
-    [B, K, V] of each level, for p [B, K+1, V], q [B, K, V], drafts x [B, K]; float64."""
-    p, q = p.to(torch.float64), q.to(torch.float64)
-    b, k = x.shape
-    ratio = p[:, :k].gather(-1, x[..., None]).squeeze(-1) / q.gather(-1, x[..., None]).squeeze(-1)  # [B, K]
-    log_ratio = torch.cumsum(ratio.log(), -1)  # L_1..L_K, -inf after a zero target probability
-    log_prefix = torch.cat([torch.zeros_like(log_ratio[:, :1]), log_ratio], -1)  # [B, K+1], L_0 = 0
-    a = torch.exp(log_prefix - torch.cummax(log_prefix, -1).values)  # [B, K+1], a_k = R_k / max_{i<=k} R_i
-    w = (a[:, :k, None] * p[:, :k] - q).clamp_min(0)  # [B, K, V]
-    mass = w.sum(-1)  # [B, K]
-    h = torch.where(mass > 0, mass / (mass + 1 - a[:, :k]).clamp_min(1e-300), 0.0).clamp(0, 1)  # [B, K]
-    h[:, 0] = 1.0
-    h = torch.cat([h, a[:, k:]], -1)  # [B, K+1]
-    residuals = normalize(w, p[:, :k])  # p_k only where level k has no residual mass (never reached)
-    return h, residuals
+    [B, K, V] of every level, for p [B, K+1, V], q [B, K, V], drafts x [B, K] (computed in the
+    input dtype; float64 in, float64 out)."""
+    a = _prefix_weights(p, q, x)
+    return _stop_probs(p, q, a), _residual(p[:, : x.shape[1]], q, a[:, : x.shape[1]])
 
 
 @register
@@ -62,13 +77,14 @@ class HSD(Rule):
 
     def _verify(self, p: Tensor, q: Tensor, x: Tensor, uniforms: Tensor) -> VerifyResult:
         b, k = x.shape
-        h, residuals = hsd_levels(p, q, x)
+        a = _prefix_weights(p, q, x)
+        h = _stop_probs(p, q, a)
         stops = uniforms[:, :k] < h[:, 1:]  # [B, K]: level k+1 stops the backward scan
         levels = torch.arange(1, k + 1, device=p.device)
         num_accepted = torch.where(stops, levels, 0).amax(-1)  # [B], highest stopping level, else 0
         rows = torch.arange(b, device=p.device)
         bonus = num_accepted == k
         j = num_accepted.clamp(max=k - 1)
-        law = torch.where(bonus[:, None], p[:, k].to(torch.float64), residuals[rows, j])  # [B, V]
+        law = torch.where(bonus[:, None], p[:, k], _residual(p[rows, j], q[rows, j], a[rows, j]))  # [B, V]
         tokens = assemble_tokens(x, num_accepted, sample_from(law, uniforms[:, k]))
         return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=h[:, 1:].to(p.dtype), bonus=bonus)

@@ -38,8 +38,15 @@ class Lenience(Rule):
         return ratio_accept(at(p, x) / self.l, at(q, x))
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
-        kept = torch.minimum(q, p / self.l)  # q * accept, elementwise
-        return kept + (1 - kept.sum(-1, keepdim=True)).clamp_min(0) * self._residual(p, q)
+        kept = p / self.l
+        torch.minimum(kept, q, out=kept)  # q * accept = min(q, p/l), in place
+        rejected = (1 - kept.sum(-1, keepdim=True)).clamp_min_(0)  # [..., 1]
+        deficit = (p - q).clamp_min_(0)  # (p - q)+, normalised below (p itself where p == q)
+        mass = deficit.sum(-1, keepdim=True)
+        residual = deficit.div_(mass.clamp_min(torch.finfo(p.dtype).tiny))
+        if not bool((mass > 0).all()):
+            residual = torch.where(mass > 0, residual, p)
+        return kept.add_(residual.mul_(rejected))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         return normalize((p - q).clamp_min(0), p)

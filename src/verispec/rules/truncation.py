@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from verispec.rules.base import Param, Rule, at, normalize, one_hot_argmax
@@ -38,6 +39,16 @@ class TruncationRule(Rule):
 
     def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
         return self.gate_at(p, x).to(p.dtype)
+
+    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        gate = self.gate(p)
+        kept = torch.where(gate, q, 0.0)  # q * 1_A
+        rejected = (1 - kept.sum(-1, keepdim=True)).clamp_min_(0)
+        if self.resample == "truncated":  # the baseline from the same gate, not recomputed
+            residual = normalize(torch.where(gate, p, 0.0), p)
+        else:
+            residual = self._residual(p, q)
+        return kept.add_(residual * rejected)
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         if self.resample == "target":

@@ -1,0 +1,193 @@
+"""Goals 1-3 and 6: verispec's decode loop against plain decoding and transformers' assisted
+generation, on one model pair, batch 1, measured side by side in one process.
+
+    python bench/speed.py                      # default pair, 128 new tokens, 6 prompts x 5 rounds
+    python bench/speed.py --quick              # a 1-minute smoke run
+
+Per round and prompt, every method runs once, interleaved (so machine noise hits all alike); each
+ratio is computed per (round, prompt) and reported as median [min, max]. Methods:
+  plain        verispec plain target decoding (same backend as its speculative loop)
+  hf-plain     transformers `generate` without an assistant
+  sd           verispec lossless speculative decoding (k = --k), diagnostics off
+  sd+diag      the same with per-step exact diagnostics on (goal 3)
+  hsd          verispec `hsd` block verification (goal 6)
+  hf-assisted  transformers `generate(assistant_model=draft)`, num_assistant_tokens=k, schedule constant
+Also the per-call costs c (draft step / target step) and v (target pass over k+1 tokens / target
+step) and the speedup they predict, (1 - a^(k+1)) / ((1 - a)(k c + v)), with a solved from the
+measured tokens per block (goal 2); and verispec lossless for every k in --ks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json  # noqa: E402
+
+from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
+from verispec.models import ModelDrafter, load_drafter, load_model  # noqa: E402
+from verispec.sampling import SamplingConfig  # noqa: E402
+
+
+def step_costs(target, draft, prompt: list[int], ks: list[int], reps: int = 30) -> dict:
+    """Median ms of: one target step, one draft step, one target pass over k+1 tokens (context ~ prompt+64)."""
+    base = prompt + [int(t) for t in torch.randint(1, target.vocab_size, (64,), generator=torch.Generator().manual_seed(0))]
+    ids = torch.tensor([base])
+
+    def per_call(model, extra: int) -> float:
+        session = model.session()
+        session.logits_for(ids, 1)
+        times = []
+        for i in range(reps):
+            tokens = torch.cat([ids, torch.full((1, extra), 7 + i % 5)], 1)
+            t0 = time.perf_counter()
+            session.logits_for(tokens, extra)
+            times.append(time.perf_counter() - t0)
+            session.logits_for(ids, 1)  # roll back (crop) and re-score the last prompt token
+        return statistics.median(times) * 1e3
+
+    out = {"target_step_ms": per_call(target, 1), "draft_step_ms": per_call(draft, 1)}
+    out["c"] = out["draft_step_ms"] / out["target_step_ms"]
+    out["v"] = {k: per_call(target, k + 1) / out["target_step_ms"] for k in ks}
+    return out
+
+
+def hf_generate(model, prompt: list[int], n: int, temperature: float, assistant=None, k: int = 4,
+                prompt_lookup: int | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt])
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=model.generation_config.eos_token_id)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    if assistant is not None:
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+    if prompt_lookup is not None:
+        kwargs.update(prompt_lookup_num_tokens=prompt_lookup)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        seconds = time.perf_counter() - t0
+    return (out.shape[1] - ids.shape[1]) / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--draft", default="default-draft")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 2 prompts, 64 tokens")
+    ap.add_argument("--json", default="bench/results/speed.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.prompts, args.tokens, args.ks = 2, 2, 64, [2, 4]
+    target = load_model(args.target)
+    drafter = load_drafter(args.draft, target)
+    prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
+    k = args.k
+    print(f"{environment()}\ntarget {target.name} ({target.num_parameters / 1e6:.2f}M, backend {target.backend}), "
+          f"draft {drafter.name}; batch 1, {args.tokens} new tokens, k = {k}")
+
+    costs = step_costs(target, drafter.model, prompts[0], sorted(set(args.ks) | {k}))
+    print(f"per call: target step {costs['target_step_ms']:.2f} ms, draft step {costs['draft_step_ms']:.2f} ms, "
+          f"c = {costs['c']:.3f}, v(k) = " + ", ".join(f"{kk}: {v:.2f}" for kk, v in costs["v"].items()))
+
+    def ours(rule: str | None, temperature: float, kk: int, seed: int, diagnostics: bool = False):
+        cfg = DecodeConfig(k=kk, max_new_tokens=args.tokens, sampling=SamplingConfig(temperature=temperature),
+                           stop_at_eos=False, diagnostics=diagnostics)
+        gen = torch.Generator().manual_seed(seed)
+        if rule is None:
+            return autoregressive_decode(target, prompt, cfg, gen)
+        return speculative_decode(target, drafter, prompt, rule, cfg, gen)
+
+    results: dict = {"environment": environment(), "args": vars(args), "costs": costs, "by_temperature": {}}
+    for temperature in args.temperatures:
+        tps: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
+        tokens_per_call: dict[str, list[float]] = {}
+        for rnd in range(args.rounds):
+            for pi, prompt in enumerate(prompts):
+                seed = 1000 * rnd + pi
+                row = {}
+                methods = {
+                    "plain": lambda: ours(None, temperature, k, seed),
+                    "sd": lambda: ours("lossless", temperature, k, seed),
+                    "sd+diag": lambda: ours("lossless", temperature, k, seed, diagnostics=True),
+                    "hsd": lambda: ours("hsd", temperature, k, seed),
+                }
+                for kk in args.ks:
+                    methods[f"sd k={kk}"] = lambda kk=kk: ours("lossless", temperature, kk, seed)
+                for name, fn in methods.items():
+                    gen = fn()
+                    row[name] = gen.tokens_per_second
+                    tokens_per_call.setdefault(name, []).append(gen.block_efficiency)
+                if not args.no_hf:
+                    row["hf-plain"] = hf_generate(target.model, prompt, args.tokens, temperature, seed=seed)
+                    row["hf-assisted"] = hf_generate(target.model, prompt, args.tokens, temperature,
+                                                     assistant=drafter.model.model, k=k, seed=seed)
+                for name, value in row.items():
+                    tps.setdefault(name, []).append(value)
+                pairs = [("sd", "plain"), ("sd", "hf-assisted"), ("sd", "hf-plain"), ("plain", "hf-plain"),
+                         ("hf-assisted", "hf-plain"), ("sd+diag", "sd"), ("hsd", "sd")]
+                pairs += [(f"sd k={kk}", "plain") for kk in args.ks]
+                for a, b in pairs:
+                    if a in row and b in row:
+                        ratios.setdefault(f"{a} / {b}", []).append(row[a] / row[b])
+        res = {"tokens_per_second": {n: spread(v) for n, v in tps.items()},
+               "ratios": {n: spread(v) for n, v in ratios.items()},
+               "tokens_per_target_call": {n: spread(v) for n, v in tokens_per_call.items()}}
+        # goal 2: predicted speedup from a (solved from tokens per block), c and v
+        predicted = {}
+        for kk in sorted(set(args.ks) | {k}):
+            name = "sd" if kk == k else f"sd k={kk}"
+            tau = statistics.median(tokens_per_call[name])
+            a = solve_a(tau, kk)
+            pred = tau / (kk * costs["c"] + costs["v"][kk])
+            real = statistics.median(ratios[f"{name} / plain"] if f"{name} / plain" in ratios else ratios["sd / plain"])
+            predicted[kk] = {"tokens_per_block": tau, "a": a, "predicted": pred, "realised": real,
+                             "realised_over_predicted": real / pred}
+        res["predicted"] = predicted
+        results["by_temperature"][str(temperature)] = res
+        print(f"\n== temperature {temperature:g} ==")
+        print_table(["method", "tokens/s median [min, max]", "tokens / target call"],
+                    [[n, fmt_spread(s, 1), f"{statistics.median(tokens_per_call[n]):.2f}" if n in tokens_per_call else "-"]
+                     for n, s in res["tokens_per_second"].items()])
+        print()
+        print_table(["ratio", "median [min, max]"], [[n, fmt_spread(s)] for n, s in res["ratios"].items()])
+        print()
+        print_table(["k", "tokens/block", "a", "c", "v", "predicted", "realised", "realised/predicted"],
+                    [[str(kk), f"{d['tokens_per_block']:.2f}", f"{d['a']:.3f}", f"{costs['c']:.3f}",
+                      f"{costs['v'][kk]:.2f}", f"{d['predicted']:.2f}", f"{d['realised']:.2f}",
+                      f"{d['realised_over_predicted']:.2f}"] for kk, d in predicted.items()])
+    write_json(args.json, results)
+    print(f"\nraw figures: {args.json}")
+
+
+def solve_a(tokens_per_block: float, k: int) -> float:
+    """The per-token acceptance a with (1 - a^(k+1)) / (1 - a) = tokens_per_block (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value = (1 - mid ** (k + 1)) / (1 - mid) if mid < 1 else k + 1
+        lo, hi = (mid, hi) if value < tokens_per_block else (lo, mid)
+    return (lo + hi) / 2
+
+
+if __name__ == "__main__":
+    main()
