@@ -133,23 +133,42 @@ def _calls(obj) -> int:
 
 
 class _Recorder:
-    """Collects per-position statistics and (optionally) full rows, block by block."""
+    """Collects the rows of emitted positions and computes their statistics in batches.
+
+    Shift statistics are a handful of small tensor ops; batching FLUSH positions at a time keeps
+    their per-call overhead out of the decode loop (diagnostics stay on by default)."""
+
+    FLUSH = 64
 
     def __init__(self, rule: Rule, config: DecodeConfig):
         self.rule, self.config = rule, config
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = {"target": [], "draft": []} if config.keep_probs else None
+        self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor]] = []
+        self._pending = 0
 
     def add(self, logits: Tensor, p: Tensor, q: Tensor, tokens: Tensor, roles: list[str]) -> None:
         """logits, p [n, V] at the kept positions; q [m, V] for the first m (drafted) positions."""
         if self.steps is not None:
-            stats = position_stats(self.rule, p, q, tokens, roles)
-            stats["log_target_raw"] = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1).double().tolist()
-            for key, values in stats.items():
-                self.steps.setdefault(key, []).extend(values)
+            raw = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)  # raw target log-prob
+            q_rows = q if q.shape[0] == p.shape[0] else torch.cat([q, torch.zeros_like(p[q.shape[0]:])])  # [n, V]
+            self._rows.append((p, q_rows, tokens, roles, raw))
+            self._pending += len(roles)
+            if self._pending >= self.FLUSH:
+                self.flush()
         if self.probs is not None:
             self.probs["target"].append(p.clone())
             self.probs["draft"].append(q.clone())
+
+    def flush(self) -> None:
+        if self.steps is None or not self._rows:
+            return
+        p, q, tokens, roles, raw = zip(*self._rows)
+        stats = position_stats(self.rule, torch.cat(p), torch.cat(q), torch.cat(tokens), [r for rs in roles for r in rs])
+        stats["log_target_raw"] = torch.cat(raw).double().tolist()
+        for key, values in stats.items():
+            self.steps.setdefault(key, []).extend(values)
+        self._rows, self._pending = [], 0
 
 
 def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | str, config: DecodeConfig,
@@ -198,6 +217,7 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
         new += keep
         if finish == "eos":
             break
+    record.flush()
     seconds = time.perf_counter() - start
     return Generation(
         prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
@@ -228,6 +248,7 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
         if eos is not None and int(tok) == eos:
             finish = "eos"
             break
+    record.flush()
     seconds = time.perf_counter() - start
     n = seq.shape[1] - prompt.shape[1]
     return Generation(

@@ -27,30 +27,30 @@ FIELDS = (
 
 
 def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str]) -> dict:
-    """Shift statistics of emitted positions.
+    """Shift statistics of emitted positions, computed in one batch.
 
-    target_probs [n, V]: the processed target at each emitted position; draft_probs [m, V] for the
-    first m positions (those that had a draft token; the rest are bonus/plain); tokens [n];
-    roles: one of ROLES per position. Returns {field: list} with one entry per position.
+    target_probs [n, V]: the processed target at each emitted position; draft_probs [n, V]: the draft
+    distribution at positions whose role is "accepted" or "recovered" (rows of other roles are
+    ignored); tokens [n]; roles: one of ROLES per position. Returns {field: list}, one entry per position.
     """
     p = target_probs.to(torch.float64)
-    n, m = p.shape[0], draft_probs.shape[0]
-    q = draft_probs.to(torch.float64)
-    laws = [rule._emitted(p[:m], q)] if m else []
-    if n > m:
-        laws.append(rule._bonus(p[m:]))
-    law = torch.cat(laws, 0)  # [n, V]
-    base = rule._baseline(p)
+    n = p.shape[0]
+    drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
     idx = tokens.long()[:, None]
     nan = torch.full((n,), torch.nan, dtype=torch.float64)
-    expected = nan.clone()
-    confidence = nan.clone()
-    over = nan.clone()
-    if m:
+    expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
+    law = torch.empty_like(p)  # [n, V]
+    if drafted.any():
+        q = draft_probs[drafted].to(torch.float64)
+        pd = p[drafted]
+        law[drafted] = rule._emitted(pd, q)
         if not rule.block_level:  # a block rule has no per-position acceptance probability
-            expected[:m] = (q * rule._accept(p[:m], q)).sum(-1)
-        confidence[:m] = q.amax(-1)
-        over[:m] = q.gather(-1, idx[:m]).squeeze(-1) / p[:m].gather(-1, idx[:m]).squeeze(-1)
+            expected[drafted] = (q * rule._accept(pd, q)).sum(-1)
+        confidence[drafted] = q.amax(-1)
+        over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
+    if not drafted.all():
+        law[~drafted] = rule._bonus(p[~drafted])
+    base = rule._baseline(p)
     stats = {
         "token": tokens.long(),
         "log_target": p.gather(-1, idx).squeeze(-1).log(),
