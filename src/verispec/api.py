@@ -26,6 +26,17 @@ class GenerateResult:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids, "stats": self.stats}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def resolve_target(target, device: str = "cpu", dtype: torch.dtype = torch.float32):
     from verispec.models import load_model
 
@@ -79,13 +90,15 @@ def generate(
     chat: bool | None = None,
     diagnostics: bool = True,
     device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
 ) -> GenerateResult:
     """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None)."""
     rule = parse(rule) if isinstance(rule, str) else rule
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
-    target_model = resolve_target(target, device)
-    drafter = resolve_drafter(draft, target_model, device)
+    dtype = as_dtype(dtype)
+    target_model = resolve_target(target, device, dtype)
+    drafter = resolve_drafter(draft, target_model, device, dtype)
     prompt_ids = encode_prompt(target_model, prompt, chat)
     generator = torch.Generator().manual_seed(seed)
     if drafter is None:

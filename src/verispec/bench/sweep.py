@@ -56,6 +56,8 @@ class SweepSpec:
     seeds: tuple[int, ...] = (0,)
     limit: int | None = None  # number of prompts (None: the whole suite)
     max_new_tokens: int | None = None  # None: the suite's default
+    device: str = "cpu"
+    dtype: str = "float32"
 
     def configs(self) -> list[RunConfig]:
         """The grid, baselines included: plain, lossless and honest truncation samplers."""
@@ -118,7 +120,7 @@ def _progress(total: int, initial: int, enabled: bool):
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the spec to OUT_DIR/sweep.json."""
-    from verispec.api import encode_prompt, resolve_drafter, resolve_target
+    from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,8 +134,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
 
     suite = load_suite(spec.suite).limit(spec.limit)
     configs = spec.configs()
-    target = resolve_target(spec.target)
-    drafter = resolve_drafter(spec.draft, target)
+    target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+    drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.dtype))
     max_new = spec.max_new_tokens or suite.max_new_tokens
     prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
     units = [(i, item, seed, c) for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]

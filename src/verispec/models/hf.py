@@ -101,7 +101,7 @@ class HFSession(CachedSession):
     def _feed(self, tokens: Tensor) -> Tensor:
         self.owner.calls += 1
         out = self.owner.model(input_ids=tokens.to(self.owner.device), cache=self.cache, use_cache=True)
-        return out.logits.float()
+        return out.logits.float().cpu()  # rule maths run on the CPU (a [k+1, V] copy per block)
 
 
 def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,

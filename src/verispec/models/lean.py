@@ -33,6 +33,7 @@ class LeanLlama:
             raise ValueError(f"the lean backend supports Llama models with default RoPE, got {hf_model.config.model_type}")
         cfg = hf_model.config
         self.dtype = dtype
+        self.device = hf_model.get_output_embeddings().weight.device
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -58,11 +59,12 @@ class LeanLlama:
         self.norm = cast(inner.norm.weight)
         self.head = cast(hf_model.get_output_embeddings().weight)
         theta = cfg.rope_parameters["rope_theta"]
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
+                                         / self.head_dim))
         self._rope(max(256, cfg.max_position_embeddings))
 
     def _rope(self, length: int) -> None:
-        freqs = torch.arange(length, dtype=torch.float)[:, None] * self.inv_freq[None]  # [L, hd/2]
+        freqs = torch.arange(length, dtype=torch.float, device=self.device)[:, None] * self.inv_freq[None]  # [L, hd/2]
         emb = torch.cat([freqs, freqs], -1)  # [L, hd]
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -88,8 +90,9 @@ class LeanLlama:
         nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         mask = None
         if m > 1:  # causal among the new tokens; every new token sees the whole cached prefix
-            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]  # [m, end]
-        x = self.embed[tokens]  # [B, m, d]
+            positions = torch.arange(end, device=self.device)
+            mask = positions[None, :] <= positions[start:, None]  # [m, end]
+        x = self.embed[tokens.to(self.device)]  # [B, m, d]
         for i, w in enumerate(self.layers):
             h = self._rms(x, w["norm_in"])
             qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [B, m, nq + 2 nkv]
@@ -104,7 +107,7 @@ class LeanLlama:
             gate, up = F.linear(h, w["gate_up"]).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, w["down"])
         cache.length = end
-        return F.linear(self._rms(x, self.norm), self.head).float()
+        return F.linear(self._rms(x, self.norm), self.head).float().cpu()  # rule maths run on the CPU
 
 
 class LeanCache:
@@ -113,8 +116,8 @@ class LeanCache:
     def __init__(self, model: LeanLlama, batch: int = 1, capacity: int = 512):
         self.model, self.batch, self.length = model, batch, 0
         shape = (batch, model.n_kv, capacity, model.head_dim)
-        self.k = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
-        self.v = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
+        self.k = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
+        self.v = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
 
     def reserve(self, length: int) -> None:
         capacity = self.k[0].shape[2]
@@ -123,7 +126,7 @@ class LeanCache:
         new = max(length, 2 * capacity)
         for store in (self.k, self.v):
             for i, old in enumerate(store):
-                grown = torch.empty((*old.shape[:2], new, old.shape[3]), dtype=old.dtype)
+                grown = torch.empty((*old.shape[:2], new, old.shape[3]), dtype=old.dtype, device=old.device)
                 grown[:, :, : self.length] = old[:, :, : self.length]
                 store[i] = grown
 
