@@ -45,7 +45,7 @@ CONFIGS = {
     "target": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
                    num_attention_heads=6, num_key_value_heads=6, steps=1400, lr=1e-3),
     "draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, steps=300, lr=2e-3),
+                  num_attention_heads=4, num_key_value_heads=4, steps=600, lr=2e-3),
 }
 
 

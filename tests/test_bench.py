@@ -45,11 +45,12 @@ def test_step_metrics_equal_offline_recomputation(pair, spec):
                           stop_at_eos=False)
     gen = speculative_decode(target, drafter, target.encode("KING.\nWhat news?"), rule, config,
                              torch.Generator().manual_seed(4))
-    p = torch.cat(gen.probs["target"]).double()  # [n, V], the processed target at each emitted position
+    f64 = lambda t: t.double() / t.double().sum(-1, keepdim=True)  # noqa: E731  (as the recorder does)
+    p = f64(torch.cat(gen.probs["target"]))  # [n, V], the processed target at each emitted position
     laws, pos = [], 0
     for block, q in zip(gen.blocks, gen.probs["draft"]):
         m = q.shape[0]  # drafted positions kept from this block
-        laws.append(rule.emitted(p[pos : pos + m], q.double()))
+        laws.append(rule.emitted(p[pos : pos + m], f64(q)))
         if block.emitted > m:  # the bonus position
             laws.append(rule._bonus(p[pos + m : pos + block.emitted]))
         pos += block.emitted

@@ -176,6 +176,7 @@ def _pm(value, half) -> str:
 COLUMNS = [
     ("config", "config"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"), ("speedup", "speedup"),
     ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"), ("overshoot p95", "overshoot_p95"),
+    ("tail mass", "tail_mass"), ("target NLL", "target_nll"),
 ]
 
 
@@ -299,7 +300,10 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                  "baseline; overshoot p95: 95th percentile of max law/p; seq KL: mean exact log-likelihood ratio "
                  "of a generated sequence (rule vs target), an unbiased estimate of the sequence-level KL, 95% CI; "
                  "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
-                 "rules, lossless SD otherwise). Rows in red are significantly below their baseline.</p>")
+                 "rules, lossless SD otherwise). tail mass: mean mass the rule's law puts on tokens the target gives "
+                 "less than 1e-3; target NLL: the target model's own negative log-likelihood per token of the "
+                 "generated text (temperature 1, no truncation). Rows in red are significantly below their "
+                 "baseline.</p>")
     figs = plots(summary)
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):

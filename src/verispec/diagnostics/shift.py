@@ -26,6 +26,12 @@ FIELDS = (
 )
 
 
+def _f64(probs: Tensor) -> Tensor:
+    """float64 rows renormalised: float32 softmax rows sum to 1 only within ~1e-6."""
+    probs = probs.to(torch.float64)
+    return probs / probs.sum(-1, keepdim=True)
+
+
 def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str]) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
 
@@ -33,7 +39,7 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     distribution at positions whose role is "accepted" or "recovered" (rows of other roles are
     ignored); tokens [n]; roles: one of ROLES per position. Returns {field: list}, one entry per position.
     """
-    p = target_probs.to(torch.float64)
+    p = _f64(target_probs)
     n = p.shape[0]
     drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
     idx = tokens.long()[:, None]
@@ -41,7 +47,7 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
     law = torch.empty_like(p)  # [n, V]
     if drafted.any():
-        q = draft_probs[drafted].to(torch.float64)
+        q = _f64(draft_probs[drafted])
         pd = p[drafted]
         law[drafted] = rule._emitted(pd, q)
         if not rule.block_level:  # a block rule has no per-position acceptance probability
