@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json  # noqa: E402
 
+from verispec.api import as_dtype  # noqa: E402
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
 from verispec.models import ModelDrafter, load_drafter, load_model  # noqa: E402
 from verispec.sampling import SamplingConfig  # noqa: E402
@@ -92,16 +93,18 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    ap.add_argument("--dtype", default="float32", help="the target's compute dtype (the draft stays float32)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 2 prompts, 64 tokens")
     ap.add_argument("--json", default="bench/results/speed.json")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.tokens, args.ks = 2, 2, 64, [2, 4]
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=as_dtype(args.dtype))
     drafter = load_drafter(args.draft, target)
     prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
     k = args.k
-    print(f"{environment()}\ntarget {target.name} ({target.num_parameters / 1e6:.2f}M, backend {target.backend}), "
+    print(f"{environment()}\ntarget {target.name} ({target.num_parameters / 1e6:.2f}M, {args.dtype}, "
+          f"backend {target.backend}), "
           f"draft {drafter.name}; batch 1, {args.tokens} new tokens, k = {k}")
 
     costs = step_costs(target, drafter.model, prompts[0], sorted(set(args.ks) | {k}))

@@ -91,14 +91,17 @@ def generate(
     diagnostics: bool = True,
     device: str = "cpu",
     dtype: str | torch.dtype = "float32",
+    draft_dtype: str | torch.dtype = "float32",
 ) -> GenerateResult:
-    """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None)."""
+    """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None).
+
+    dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
+    target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU."""
     rule = parse(rule) if isinstance(rule, str) else rule
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
-    dtype = as_dtype(dtype)
-    target_model = resolve_target(target, device, dtype)
-    drafter = resolve_drafter(draft, target_model, device, dtype)
+    target_model = resolve_target(target, device, as_dtype(dtype))
+    drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))
     prompt_ids = encode_prompt(target_model, prompt, chat)
     generator = torch.Generator().manual_seed(seed)
     if drafter is None:

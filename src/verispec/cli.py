@@ -42,7 +42,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "default draft: default-draft for the default target, self:layers=8 for smollm2-135m)")
     parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda); rule maths run on the CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model compute dtype (default float32)")
+                        help="the target's compute dtype (default float32)")
+    parser.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="a separate draft model's compute dtype (default float32)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = generate(
         args.prompt, target=target, draft=draft, rule=args.rule, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
-        seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype,
+        seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
     )
     if args.json:
         print(json.dumps(json_safe(result.to_json())))
@@ -121,7 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft is not None else default_draft(args.target)
     spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds), limit=args.limit,
-                     max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype)
+                     max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
+                     draft_dtype=args.draft_dtype)
     path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress)
     print(f"results: {path.resolve()}", file=sys.stderr)
     return _finish_sweep(args.out, not args.no_report)

@@ -57,7 +57,8 @@ class SweepSpec:
     limit: int | None = None  # number of prompts (None: the whole suite)
     max_new_tokens: int | None = None  # None: the suite's default
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the target's compute dtype
+    draft_dtype: str = "float32"
 
     def configs(self) -> list[RunConfig]:
         """The grid, baselines included: plain, lossless and honest truncation samplers."""
@@ -135,7 +136,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     suite = load_suite(spec.suite).limit(spec.limit)
     configs = spec.configs()
     target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
-    drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.dtype))
+    drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
     max_new = spec.max_new_tokens or suite.max_new_tokens
     prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
     units = [(i, item, seed, c) for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]

@@ -45,26 +45,29 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     idx = tokens.long()[:, None]
     nan = torch.full((n,), torch.nan, dtype=torch.float64)
     expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
-    law = torch.empty_like(p)  # [n, V]
+    law = p if rule.lossless else torch.empty_like(p)  # [n, V]; a lossless rule's law is p, bonus included
     if drafted.any():
         q = _f64(draft_probs[drafted])
         pd = p[drafted]
-        law[drafted] = rule._emitted(pd, q)
+        if not rule.lossless:
+            law[drafted] = rule._emitted(pd, q)
         if not rule.block_level:  # a block rule has no per-position acceptance probability
             expected[drafted] = (q * rule._accept(pd, q)).sum(-1)
         confidence[drafted] = q.amax(-1)
         over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
-    if not drafted.all():
+    if not rule.lossless and not drafted.all():
         law[~drafted] = rule._bonus(p[~drafted])
     base = rule._baseline(p)
+    log_target = p.gather(-1, idx).squeeze(-1).log()
+    zeros = torch.zeros(n, dtype=torch.float64)
     stats = {
         "token": tokens.long(),
-        "log_target": p.gather(-1, idx).squeeze(-1).log(),
-        "log_law": law.gather(-1, idx).squeeze(-1).log(),
-        "tv": tv(law, p),
-        "kl": kl(law, p),
+        "log_target": log_target,
+        "log_law": log_target if rule.lossless else law.gather(-1, idx).squeeze(-1).log(),
+        "tv": zeros if rule.lossless else tv(law, p),
+        "kl": zeros if rule.lossless else kl(law, p),
         "tv_baseline": tv(law, base) if base is not None else nan,
-        "max_ratio": max_ratio(law, p),
+        "max_ratio": torch.ones(n, dtype=torch.float64) if rule.lossless else max_ratio(law, p),
         "tail_mass": tail_mass(law, p, TAIL),
         "expected_accept": expected,
         "draft_confidence": confidence,

@@ -1,11 +1,18 @@
 """A lean forward pass for Llama-architecture models (Touvron et al. 2023), for decoding speed.
 
 Same maths as transformers' `LlamaForCausalLM` (RMSNorm, rotary embeddings with the default RoPE,
-grouped-query attention, SwiGLU MLP, optionally tied head), reading the very same weight tensors,
-but without per-call framework overhead: q/k/v and gate/up projections are fused into one matmul
-each, rotary tables are precomputed, and the KV cache is a preallocated buffer per layer, so a
-rollback after rejected draft tokens is just a shorter length (no copy). Tests check its logits
-against the transformers model it wraps.
+grouped-query attention, SwiGLU MLP, optionally tied head), from the same weights, but laid out for
+batch-1 decoding on a CPU: q/k/v and gate/up projections are fused into one matmul each, rotary
+tables are precomputed, and the KV cache is a preallocated buffer per layer, so a rollback after
+rejected draft tokens is just a shorter length (no copy). Tests check its logits against the
+transformers model it wraps.
+
+Matmuls: decoding reads every weight once per forward pass, so it is memory-bound, and the layout
+decides the speed. Measured on this project's CPU (bench/RESULTS.md): a single-token step is
+fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens (the
+verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
+reads the weights at a third of the bandwidth. `_Linear` keeps both layouts (2x weight memory) and
+falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +30,41 @@ def supports(model) -> bool:
     rope = getattr(cfg, "rope_parameters", None) or {}
     return (getattr(cfg, "model_type", "") == "llama" and rope.get("rope_type", "default") == "default"
             and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "pretraining_tp", 1) > 1)
+
+
+class _Linear:
+    """y = x W^T (+ b) for x [..., m, in], choosing the kernel by m (see the module docstring)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.bias = bias
+        self.weight_t = weight.t().contiguous() if weight.device.type == "cpu" else None  # [in, out]
+        self.weight = None if self.weight_t is not None else weight
+        self.packed = self._pack(weight)
+
+    @staticmethod
+    def _pack(weight: Tensor) -> Tensor | None:
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+            probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+            want = probe.float() @ weight.float().t()
+            if (got.float() - want).abs().max() > 1e-2 * (want.abs().max() + 1):
+                return None  # a kernel that disagrees is not used
+            return packed
+        except (RuntimeError, AttributeError):
+            return None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[-2] > 1 and self.packed is not None:
+            flat = x.reshape(-1, x.shape[-1])  # [B*m, in]
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], -1)  # [B, m, out]
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
 
 
 class LeanLlama:
@@ -49,15 +91,15 @@ class LeanLlama:
                 bias = cast(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             self.layers.append({
                 "norm_in": cast(layer.input_layernorm.weight), "norm_post": cast(layer.post_attention_layernorm.weight),
-                "qkv": cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), "qkv_bias": bias,
-                "o": cast(att.o_proj.weight), "o_bias": None if att.o_proj.bias is None else cast(att.o_proj.bias),
-                "gate_up": cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                "down": cast(mlp.down_proj.weight),
+                "qkv": _Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), bias),
+                "o": _Linear(cast(att.o_proj.weight), None if att.o_proj.bias is None else cast(att.o_proj.bias)),
+                "gate_up": _Linear(cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
+                "down": _Linear(cast(mlp.down_proj.weight)),
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
         self.norm = cast(inner.norm.weight)
-        self.head = cast(hf_model.get_output_embeddings().weight)
+        self.head = _Linear(cast(hf_model.get_output_embeddings().weight))
         theta = cfg.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
                                          / self.head_dim))
@@ -95,19 +137,19 @@ class LeanLlama:
         x = self.embed[tokens.to(self.device)]  # [B, m, d]
         for i, w in enumerate(self.layers):
             h = self._rms(x, w["norm_in"])
-            qkv = F.linear(h, w["qkv"], w["qkv_bias"])  # [B, m, nq + 2 nkv]
+            qkv = w["qkv"](h)  # [B, m, nq + 2 nkv]
             q = qkv[..., :nq].view(b, m, self.n_heads, hd).transpose(1, 2)  # [B, H, m, hd]
             k = qkv[..., nq : nq + nkv].view(b, m, self.n_kv, hd).transpose(1, 2)  # [B, Hkv, m, hd]
             v = qkv[..., nq + nkv :].view(b, m, self.n_kv, hd).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             keys, values = cache.write(i, start, k, v)  # [B, Hkv, end, hd]
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-            x = x + F.linear(att.transpose(1, 2).reshape(b, m, nq), w["o"], w["o_bias"])  # [B, m, d]
+            x = x + w["o"](att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
             h = self._rms(x, w["norm_post"])
-            gate, up = F.linear(h, w["gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
+            gate, up = w["gate_up"](h).chunk(2, -1)
+            x = x + w["down"](F.silu(gate) * up)
         cache.length = end
-        return F.linear(self._rms(x, self.norm), self.head).float().cpu()  # rule maths run on the CPU
+        return self.head(self._rms(x, self.norm)).float().cpu()  # rule maths run on the CPU
 
 
 class LeanCache:
