@@ -62,6 +62,11 @@ class Generation:
     finish: str  # "eos" or "length"
     rule: str
     probs: dict[str, list[Tensor]] | None = None
+    # where the time went (seconds): target forward passes, drafting (draft passes, processing and
+    # sampling of draft tokens), per-position diagnostics; the rest is the loop's own work
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    diagnostics_seconds: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +103,9 @@ class Generation:
             "target_calls": self.target_calls,
             "draft_calls": self.draft_calls,
             "finish": self.finish,
+            "target_seconds": self.target_seconds,
+            "draft_seconds": self.draft_seconds,
+            "diagnostics_seconds": self.diagnostics_seconds,
         }
         if self.steps:
             n = len(self.steps["tv"])
@@ -146,14 +154,17 @@ class _Recorder:
         self.probs: dict[str, list[Tensor]] | None = {"target": [], "draft": []} if config.keep_probs else None
         self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor]] = []
         self._pending = 0
+        self.seconds = 0.0  # time spent on diagnostics
 
     def add(self, logits: Tensor, p: Tensor, q: Tensor, tokens: Tensor, roles: list[str]) -> None:
         """logits, p [n, V] at the kept positions; q [m, V] for the first m (drafted) positions."""
         if self.steps is not None:
+            start = time.perf_counter()
             raw = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)  # raw target log-prob
             q_rows = q if q.shape[0] == p.shape[0] else torch.cat([q, torch.zeros_like(p[q.shape[0]:])])  # [n, V]
             self._rows.append((p, q_rows, tokens, roles, raw))
             self._pending += len(roles)
+            self.seconds += time.perf_counter() - start
             if self._pending >= self.FLUSH:
                 self.flush()
         if self.probs is not None:
@@ -163,12 +174,14 @@ class _Recorder:
     def flush(self) -> None:
         if self.steps is None or not self._rows:
             return
+        start = time.perf_counter()
         p, q, tokens, roles, raw = zip(*self._rows)
         stats = position_stats(self.rule, torch.cat(p), torch.cat(q), torch.cat(tokens), [r for rs in roles for r in rs])
         stats["log_target_raw"] = torch.cat(raw).double().tolist()
         for key, values in stats.items():
             self.steps.setdefault(key, []).extend(values)
         self._rows, self._pending = [], 0
+        self.seconds += time.perf_counter() - start
 
 
 def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | str, config: DecodeConfig,
@@ -186,16 +199,22 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
     blocks: list[Block] = []
     calls0 = (_calls(target), _calls(drafter))
     seq, new, finish = prompt, 0, "length"
+    target_seconds = draft_seconds = 0.0
     start = time.perf_counter()
     while new < config.max_new_tokens:
         remaining = config.max_new_tokens - new
         k = min(config.k, remaining - 1)  # a block emits up to k + 1 tokens
+        t0 = time.perf_counter()
         if k > 0:
             drafts, q = drafter.propose(seq, k, sampling, generator)  # [1, k'], [1, k', V] (k' <= k)
         else:
             drafts, q = seq[:, :0], torch.zeros(1, 0, target.vocab_size)
         kk = drafts.shape[1]
+        t1 = time.perf_counter()
         logits = session.logits_for(torch.cat([seq, drafts], 1), kk + 1)[0]  # [kk+1, V], one target pass
+        t2 = time.perf_counter()
+        draft_seconds += t1 - t0
+        target_seconds += t2 - t1
         p = process(logits, sampling)  # [kk+1, V]
         if kk:
             uniforms = torch.rand((1, kk + 1), generator=generator, dtype=torch.float64)
@@ -223,6 +242,7 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
         prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
         blocks=tuple(blocks), steps=record.steps, target_calls=_calls(target) - calls0[0],
         draft_calls=_calls(drafter) - calls0[1], seconds=seconds, finish=finish, rule=rule.spec, probs=record.probs,
+        target_seconds=target_seconds, draft_seconds=draft_seconds, diagnostics_seconds=record.seconds,
     )
 
 
@@ -238,9 +258,12 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
     calls0 = _calls(target)
     seq, finish = prompt, "length"
     empty_q = torch.zeros(0, target.vocab_size)
+    target_seconds = 0.0
     start = time.perf_counter()
     for _ in range(config.max_new_tokens):
+        t0 = time.perf_counter()
         logits = session.logits_for(seq, 1)[0]  # [1, V]
+        target_seconds += time.perf_counter() - t0
         p = process(logits, config.sampling)  # [1, V]
         tok = sample_from(p, torch.rand(1, generator=generator, dtype=torch.float64))  # [1]
         record.add(logits, p, empty_q.to(p.dtype), tok, ["plain"])
@@ -255,4 +278,5 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
         prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
         blocks=tuple(Block(0, 0, 1) for _ in range(n)), steps=record.steps, target_calls=_calls(target) - calls0,
         draft_calls=0, seconds=seconds, finish=finish, rule="plain", probs=record.probs,
+        target_seconds=target_seconds, diagnostics_seconds=record.seconds,
     )

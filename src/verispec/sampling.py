@@ -70,9 +70,10 @@ def process(logits: Tensor, config: SamplingConfig, dtype: torch.dtype = torch.f
 
     Raises ValueError on NaN logits or rows that are all -inf (no token possible).
     """
-    if torch.isnan(logits).any():
-        raise ValueError("logits contain NaN (the model produced invalid scores)")
-    if (logits == -torch.inf).all(-1).any() or (logits == torch.inf).any():
+    row_max = logits.amax(-1)  # one pass: NaN propagates, +inf shows, an all -inf row shows
+    if not bool(torch.isfinite(row_max).all()):
+        if torch.isnan(logits).any():
+            raise ValueError("logits contain NaN (the model produced invalid scores)")
         raise ValueError("logits contain +inf or a row that is all -inf")
     logits = logits.to(dtype)
     if config.greedy:

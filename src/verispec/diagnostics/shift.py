@@ -32,6 +32,37 @@ def _f64(probs: Tensor) -> Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str],
+                    block_level: bool) -> dict:
+    """The same statistics when the law is p itself (a lossless rule, bonus included): the shift terms
+    are exactly 0 (TV, KL) and 1 (max ratio), so only reductions remain, accumulated in float64
+    without materialising float64 copies of the rows (this is the cheap path that stays on)."""
+    n = target_probs.shape[0]
+    drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
+    idx = tokens.long()[:, None]
+    p_sum = target_probs.sum(-1, dtype=torch.float64)  # [n]; float32 rows sum to 1 within ~1e-6
+    p_x = target_probs.gather(-1, idx).squeeze(-1).double() / p_sum
+    log_target = p_x.log()
+    nan = torch.full((n,), torch.nan, dtype=torch.float64)
+    expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
+    if drafted.any():
+        p, q = target_probs[drafted], draft_probs[drafted]
+        q_sum = q.sum(-1, dtype=torch.float64)
+        if not block_level:  # a block rule has no per-position acceptance probability
+            expected[drafted] = torch.minimum(p / p_sum[drafted, None].to(p.dtype), q / q_sum[:, None].to(q.dtype)).sum(
+                -1, dtype=torch.float64)  # sum(q * min(1, p/q)) = sum(min(p, q))
+        confidence[drafted] = q.amax(-1).double() / q_sum
+        over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1).double() / q_sum / p_x[drafted]
+    tail = torch.where(target_probs < TAIL * p_sum[:, None].to(target_probs.dtype), target_probs, 0.0)
+    zeros = torch.zeros(n, dtype=torch.float64)
+    return {
+        "token": tokens.long(), "log_target": log_target, "log_law": log_target, "tv": zeros, "kl": zeros,
+        "tv_baseline": nan, "max_ratio": torch.ones(n, dtype=torch.float64),
+        "tail_mass": tail.sum(-1, dtype=torch.float64) / p_sum,
+        "expected_accept": expected, "draft_confidence": confidence, "draft_over_target": over,
+    }
+
+
 def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str]) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
 
@@ -39,40 +70,40 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     distribution at positions whose role is "accepted" or "recovered" (rows of other roles are
     ignored); tokens [n]; roles: one of ROLES per position. Returns {field: list}, one entry per position.
     """
-    p = _f64(target_probs)
-    n = p.shape[0]
-    drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
-    idx = tokens.long()[:, None]
-    nan = torch.full((n,), torch.nan, dtype=torch.float64)
-    expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
-    law = p if rule.lossless else torch.empty_like(p)  # [n, V]; a lossless rule's law is p, bonus included
-    if drafted.any():
-        q = _f64(draft_probs[drafted])
-        pd = p[drafted]
-        if not rule.lossless:
+    if rule.lossless:
+        stats = _lossless_stats(target_probs, draft_probs, tokens, roles, rule.block_level)
+    else:
+        p = _f64(target_probs)
+        n = p.shape[0]
+        drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
+        idx = tokens.long()[:, None]
+        nan = torch.full((n,), torch.nan, dtype=torch.float64)
+        expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
+        law = torch.empty_like(p)  # [n, V]
+        if drafted.any():
+            q = _f64(draft_probs[drafted])
+            pd = p[drafted]
             law[drafted] = rule._emitted(pd, q)
-        if not rule.block_level:  # a block rule has no per-position acceptance probability
-            expected[drafted] = (q * rule._accept(pd, q)).sum(-1)
-        confidence[drafted] = q.amax(-1)
-        over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
-    if not rule.lossless and not drafted.all():
-        law[~drafted] = rule._bonus(p[~drafted])
-    base = rule._baseline(p)
-    log_target = p.gather(-1, idx).squeeze(-1).log()
-    zeros = torch.zeros(n, dtype=torch.float64)
-    stats = {
-        "token": tokens.long(),
-        "log_target": log_target,
-        "log_law": log_target if rule.lossless else law.gather(-1, idx).squeeze(-1).log(),
-        "tv": zeros if rule.lossless else tv(law, p),
-        "kl": zeros if rule.lossless else kl(law, p),
-        "tv_baseline": tv(law, base) if base is not None else nan,
-        "max_ratio": torch.ones(n, dtype=torch.float64) if rule.lossless else max_ratio(law, p),
-        "tail_mass": tail_mass(law, p, TAIL),
-        "expected_accept": expected,
-        "draft_confidence": confidence,
-        "draft_over_target": over,
-    }
+            if not rule.block_level:  # a block rule has no per-position acceptance probability
+                expected[drafted] = (q * rule._accept(pd, q)).sum(-1)
+            confidence[drafted] = q.amax(-1)
+            over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
+        if not drafted.all():
+            law[~drafted] = rule._bonus(p[~drafted])
+        base = rule._baseline(p)
+        stats = {
+            "token": tokens.long(),
+            "log_target": p.gather(-1, idx).squeeze(-1).log(),
+            "log_law": law.gather(-1, idx).squeeze(-1).log(),
+            "tv": tv(law, p),
+            "kl": kl(law, p),
+            "tv_baseline": tv(law, base) if base is not None else nan,
+            "max_ratio": max_ratio(law, p),
+            "tail_mass": tail_mass(law, p, TAIL),
+            "expected_accept": expected,
+            "draft_confidence": confidence,
+            "draft_over_target": over,
+        }
     out = {k: v.tolist() for k, v in stats.items()}
     out["role"] = list(roles)
     return out
