@@ -19,8 +19,7 @@ from torch import Tensor
 
 def entropy(probs: Tensor) -> Tensor:
     """Shannon entropy in nats along the last dim (0 log 0 = 0): [...]."""
-    logs = torch.where(probs > 0, probs.clamp_min(torch.finfo(probs.dtype).tiny).log(), torch.zeros_like(probs))
-    return -(probs * logs).sum(-1)
+    return -torch.special.xlogy(probs, probs).sum(-1)  # xlogy(0, 0) = 0
 
 
 def min_p_mask(probs: Tensor, min_p: float, values: Tensor | None = None) -> Tensor:

@@ -32,10 +32,13 @@ def kl(a: Tensor, b: Tensor) -> Tensor:
 
 
 def js(a: Tensor, b: Tensor) -> Tensor:
-    """Jensen-Shannon divergence in nats (0 .. ln 2)."""
+    """Jensen-Shannon divergence in nats (0 .. ln 2): H(m) - (H(a) + H(b)) / 2 with m = (a + b) / 2,
+    computed with xlogy (0 log 0 = 0; never infinite)."""
     a, b = _f64(a, b)
+    xlogy = torch.special.xlogy
     m = (a + b) / 2
-    return (kl(a, m) + kl(b, m)) / 2
+    out = (xlogy(a, a).sum(-1) + xlogy(b, b).sum(-1)) / 2 - xlogy(m, m).sum(-1)
+    return out.clamp_min(0)
 
 
 def max_ratio(emitted: Tensor, target: Tensor) -> Tensor:

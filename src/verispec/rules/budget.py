@@ -19,15 +19,31 @@ from verispec.rules.base import Param, Rule, normalize, ratio_accept
 from verispec.rules.registry import register
 
 
-def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tensor:
-    """The law r the budget rule verifies against: [..., V]."""
-    cap = torch.where(p > 0, ratio * p, 0.0)  # r <= ratio * p; tokens with p = 0 stay impossible
-    give_room = (q.minimum(cap) - p).clamp_min(0)  # how much each token may receive
-    take_room = (p - q).clamp_min(0)  # how much each token may give; sums to TV(p, q)
+def _rooms(p: Tensor, q: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
+    """(give_room, take_room) [..., V]: how much each token may receive (up to min(q, ratio*p)) and
+    give (its (p - q)+, which sums to TV(p, q)); tokens with p = 0 stay impossible."""
+    cap = torch.where(p > 0, ratio * p, 0.0)
+    return (q.minimum(cap) - p).clamp_min(0), (p - q).clamp_min(0)
+
+
+def _shares(give_room: Tensor, take_room: Tensor, tv_budget: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The moved mass m [..., 1] and the per-row normalisers of the give and take rooms."""
     give_total = give_room.sum(-1, keepdim=True)
     take_total = take_room.sum(-1, keepdim=True)
     moved = give_total.minimum(take_total).clamp(max=tv_budget)  # [..., 1]
-    return p - moved * normalize(take_room, 0 * p) + moved * normalize(give_room, 0 * p)
+    return moved, give_total, take_total
+
+
+def _share(room: Tensor, total: Tensor) -> Tensor:
+    """room / total, 0 where the total is 0 (as `normalize(room, 0)`)."""
+    return torch.where(total > 0, room / total.clamp_min(torch.finfo(room.dtype).tiny), 0.0)
+
+
+def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tensor:
+    """The law r the budget rule verifies against: [..., V]."""
+    give_room, take_room = _rooms(p, q, ratio)
+    moved, give_total, take_total = _shares(give_room, take_room, tv_budget)
+    return p - moved * _share(take_room, take_total) + moved * _share(give_room, give_total)
 
 
 @register
@@ -51,6 +67,13 @@ class Budget(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return ratio_accept(budget_target(p, q, self.tv, self.ratio), q)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        give_room, take_room = _rooms(p, q, self.ratio)
+        moved, give_total, take_total = _shares(give_room, take_room, self.tv)
+        pick = lambda t: t.gather(-1, x[..., None])  # noqa: E731  [..., 1]: the drafted tokens only
+        r_x = pick(p) - moved * _share(pick(take_room), take_total) + moved * _share(pick(give_room), give_total)
+        return ratio_accept(r_x, pick(q))[..., 0]
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         r = budget_target(p, q, self.tv, self.ratio)

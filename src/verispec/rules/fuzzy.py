@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from verispec.diagnostics.distances import js, kl, tv
-from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.rules.base import Param, Rule, at, normalize, ratio_accept
 from verispec.rules.registry import register
 
 DIVERGENCES = {"js": js, "tv": tv, "kl": kl}
@@ -42,6 +42,10 @@ class Fuzzy(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return torch.where(self.close(p, q), torch.ones_like(q), ratio_accept(p, q))
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        qx = at(q, x)
+        return torch.where(self.close(p, q)[..., 0], torch.ones_like(qx), ratio_accept(at(p, x), qx))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         return normalize((p - q).clamp_min(0), p)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from verispec.rules.base import Rule, normalize, ratio_accept
+from verispec.rules.base import Rule, at, normalize, ratio_accept
 from verispec.rules.registry import register
 from verispec.rules.truncation import TruncationRule
 
@@ -39,6 +40,13 @@ class Honest(Rule):
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return ratio_accept(self._baseline(p), q)
+
+    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        kept = torch.where(self.inner.gate(p), p, 0.0)  # p * 1_A
+        total = kept.sum(-1, keepdim=True)
+        p_x = at(kept, x)[..., None]  # the baseline at the drafted tokens, as `normalize` computes it
+        truncated_x = torch.where(total > 0, p_x / total.clamp_min(torch.finfo(p.dtype).tiny), at(p, x)[..., None])
+        return ratio_accept(truncated_x[..., 0], at(q, x))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         truncated = self._baseline(p)
