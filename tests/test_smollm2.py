@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model("smollm2-135m")
+    model = load_model("smollm2-135m")
+    assert len(model.model.model.layers) == 30
+    return model
 
 
 def test_loads_from_gguf_with_chat_template(smollm2):
@@ -48,5 +50,10 @@ def test_self_draft_shares_weights_and_rejects_bad_depth(smollm2):
     draft = smollm2.truncated(6)
     assert draft.model.model.layers[0] is smollm2.model.model.layers[0]
     assert len(draft.model.model.layers) == 6 and smollm2.model.config.num_hidden_layers == 30
+    assert len(smollm2.model.model.layers) == 30  # the target keeps every layer
+    ids = torch.tensor([encode_prompt(smollm2, "Name a colour.")])
+    target_logits = smollm2.session().logits_for(ids, 1)
+    draft_logits = draft.session().logits_for(ids, 1)
+    assert (target_logits - draft_logits).abs().max() > 1.0  # a 6-layer draft is a different model
     with pytest.raises(ValueError, match="self-draft needs"):
         smollm2.truncated(30)

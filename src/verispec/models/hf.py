@@ -75,12 +75,21 @@ class HFModel:
         total = self.model.config.num_hidden_layers
         if not 1 <= layers < total:
             raise ValueError(f"self-draft needs 1 <= layers < {total} (the target's layer count), got {layers}")
-        draft = copy.copy(self.model)
-        draft.config = copy.copy(self.model.config)
-        draft.config.num_hidden_layers = layers
-        draft.model = copy.copy(self.model.model)
-        draft.model.config = draft.config
-        draft.model.layers = torch.nn.ModuleList(list(self.model.model.layers[:layers]))
+        def shallow(module: torch.nn.Module) -> torch.nn.Module:
+            # copy.copy shares the `_modules` dict: give the copy its own, or replacing a submodule of
+            # the copy would replace it in the target too
+            twin = copy.copy(module)
+            twin._modules = dict(module._modules)
+            return twin
+
+        config = copy.copy(self.model.config)
+        config.num_hidden_layers = layers
+        inner = shallow(self.model.model)
+        inner.config = config
+        inner.layers = torch.nn.ModuleList(list(self.model.model.layers[:layers]))
+        draft = shallow(self.model)
+        draft.config = config
+        draft.model = inner
         return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]", backend=self.backend)
 
 
