@@ -202,6 +202,7 @@ def test_report_flags_and_baselines():
     assert summary["topk:k=2,resample=target k=4 T=1"]["baseline"] == "honest:topk:k=2,resample=target k=4 T=1"
     assert summary["topk:k=2,resample=target k=4 T=1"]["score_diff"] < 0
     assert summary["lossless k=4 T=1"]["flag"] == ""
+    assert summary["honest:topk:k=2,resample=target k=4 T=1"]["baseline"] is None  # a baseline itself
     assert summary["lossless k=4 T=1"]["acceptance_rate"] == pytest.approx(0.75)
     assert summary["lossless k=4 T=1"]["block_efficiency"] == pytest.approx(2.5)
     assert summary["cos:w=0.9 k=4 T=1"]["seq_kl"] == pytest.approx(0.25)

@@ -47,6 +47,8 @@ def baseline_of(config_rule: str) -> str | None:
     if config_rule == "lossless":
         return "plain"
     rule = parse(config_rule)
+    if rule.name == "honest":  # a baseline itself: the sampling the user asked for, compared with nothing
+        return None
     return f"honest:{rule.spec}" if isinstance(rule, TruncationRule) else "lossless"
 
 
