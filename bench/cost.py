@@ -82,7 +82,7 @@ def main() -> None:
                   f"{r['target_step_ms']:.2f}", f"{r['sd_ms_per_token']:.2f}",
                   f"{r['sd_ms_per_token'] / base['sd_ms_per_token']:.2f}", f"{r['verify_pass_ms']:.2f}",
                   f"{r['sd_tokens_per_target_call']:.2f}"] for r in by_length])
-    print(f"\nSD ms per token vs k (context 256):")
+    print("\nSD ms per token vs k (context 256):")
     print_table(["k", "ms/token", "verify pass ms", "tokens/target call"],
                 [[str(r["k"]), f"{r['sd_ms_per_token']:.2f}", f"{r['verify_pass_ms']:.2f}",
                   f"{r['tokens_per_target_call']:.2f}"] for r in by_k])

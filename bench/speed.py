@@ -35,7 +35,7 @@ from common import PROMPTS, environment, fmt_spread, print_table, spread, write_
 
 from verispec.api import as_dtype  # noqa: E402
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
-from verispec.models import ModelDrafter, load_drafter, load_model  # noqa: E402
+from verispec.models import load_drafter, load_model  # noqa: E402
 from verispec.sampling import SamplingConfig  # noqa: E402
 
 

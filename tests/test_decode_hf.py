@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from stats import chisquare_pvalue
-from verispec.api import encode_prompt, generate
+from verispec.api import generate
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
-from verispec.models import ModelDrafter, load_drafter, load_model
+from verispec.models import load_drafter, load_model
 from verispec.rules import names, parse
 from verispec.sampling import SamplingConfig, process
 
@@ -64,7 +64,7 @@ def test_caches_follow_the_committed_sequence(pair):
     q_full = full_forward_probs(drafter.model, seq, sampling)[n0 - 1 : -1]
     p_used = torch.cat(gen.probs["target"])
     torch.testing.assert_close(p_used, p_full, rtol=0, atol=2e-5)
-    pos, q_used = 0, []
+    pos = 0
     for block, q in zip(gen.blocks, gen.probs["draft"]):
         torch.testing.assert_close(q, q_full[pos : pos + q.shape[0]], rtol=0, atol=2e-5)
         pos += block.emitted

@@ -15,8 +15,7 @@ import json
 import logging
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch

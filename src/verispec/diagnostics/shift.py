@@ -22,8 +22,8 @@ TAIL = 1e-3
 # one column per field, one row per emitted position
 FIELDS = (
     "token", "role", "log_target", "log_law", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass",
-    "expected_accept", "draft_confidence", "draft_over_target",
-)
+    "expected_accept", "draft_confidence", "draft_over_target", "log_target_raw",
+)  # log_target_raw (the raw target's log-probability of the token) is added by the decode loop
 
 
 def _f64(probs: Tensor) -> Tensor:

@@ -31,9 +31,6 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-FAMILIES = ("lossless", "truncation", "baseline", "collaborative", "bounded")
-
-
 @dataclass(frozen=True)
 class Param:
     """One parameter of a rule spec: its key, type, default, allowed range (text) and check."""
@@ -60,10 +57,6 @@ class VerifyResult:
     tokens: Tensor
     accept_probs: Tensor
     bonus: Tensor
-
-    @property
-    def num_emitted(self) -> Tensor:
-        return self.num_accepted + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +195,7 @@ class Rule:
     """A verification rule. Subclasses are frozen dataclasses whose fields are the spec parameters."""
 
     name: ClassVar[str]
-    family: ClassVar[str]
+    family: ClassVar[str]  # lossless, truncation, baseline, collaborative or bounded
     lossless: ClassVar[bool] = False
     source: ClassVar[str] = ""
     summary: ClassVar[str] = ""
