@@ -247,3 +247,22 @@ def test_default_tokenizer_round_trips_with_proper_spacing():
     words = target.decode(target.encode("What says the queen?"))
     assert words == "What says the queen?"  # no spaces dropped or added around words and punctuation
     assert load_model("default") is target  # loaded once, reused
+
+
+def test_lean_linear_kernels_agree():
+    """The three matmul paths of the lean backend (W^T GEMV, oneDNN prepacked, F.linear fallback)
+    give the same result for single-token and multi-token inputs, with and without bias."""
+    from verispec.models.lean import _Linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 64, generator=gen)
+    for bias in (None, torch.randn(96, generator=gen)):
+        fast = _Linear(weight, bias)
+        fallback = _Linear(weight, bias)
+        fallback.weight_t, fallback.weight, fallback.packed = None, weight, None
+        for m in (1, 5):
+            x = torch.randn(1, m, 64, generator=gen)
+            want = torch.nn.functional.linear(x, weight, bias)
+            torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fallback(x), want, rtol=0, atol=0)
+    assert fast.packed is not None  # oneDNN packing works on this CPU build (else the test above is weaker)

@@ -107,13 +107,13 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
               "budget:tv=0.05,ratio=2")
 
 
-def _finish_sweep(out: str, report: bool) -> int:
+def print_report(results: str, html: str | None = None) -> int:
+    """Print a sweep's report table and write its HTML report (the path is printed)."""
     from verispec.bench.report import write_report
 
-    if report:
-        table, html_path = write_report(out)
-        print(table)
-        print(f"\nHTML report: {html_path.resolve()}")
+    table, html_path = write_report(results, html)
+    print(table)
+    print(f"\nHTML report: {html_path.resolve()}")
     return 0
 
 
@@ -127,16 +127,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      draft_dtype=args.draft_dtype)
     path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress)
     print(f"results: {path.resolve()}", file=sys.stderr)
-    return _finish_sweep(args.out, not args.no_report)
+    return 0 if args.no_report else print_report(args.out)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from verispec.bench.report import write_report
-
-    table, html_path = write_report(args.dir, args.html)
-    print(table)
-    print(f"\nHTML report: {html_path.resolve()}")
-    return 0
+    return print_report(args.dir, args.html)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -147,7 +142,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the default pair "
           f"(resumes if {args.out} already holds this sweep)", file=sys.stderr)
     run_sweep(spec, args.out, resume=True, progress=not args.no_progress)
-    return _finish_sweep(args.out, True)
+    return print_report(args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:

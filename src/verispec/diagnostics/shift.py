@@ -26,7 +26,7 @@ FIELDS = (
 )  # log_target_raw (the raw target's log-probability of the token) is added by the decode loop
 
 
-def _f64(probs: Tensor) -> Tensor:
+def _renormalised_f64(probs: Tensor) -> Tensor:
     """float64 rows renormalised: float32 softmax rows sum to 1 only within ~1e-6."""
     probs = probs.to(torch.float64)
     return probs / probs.sum(-1, keepdim=True)
@@ -73,7 +73,7 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     if rule.lossless:
         stats = _lossless_stats(target_probs, draft_probs, tokens, roles, rule.block_level)
     else:
-        p = _f64(target_probs)
+        p = _renormalised_f64(target_probs)
         n = p.shape[0]
         drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
         idx = tokens.long()[:, None]
@@ -81,7 +81,7 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
         expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
         law = torch.empty_like(p)  # [n, V]
         if drafted.any():
-            q = _f64(draft_probs[drafted])
+            q = _renormalised_f64(draft_probs[drafted])
             pd = p[drafted]
             law[drafted] = rule._emitted(pd, q)
             if not rule.block_level:  # a block rule has no per-position acceptance probability
