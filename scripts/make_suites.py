@@ -1,4 +1,4 @@
-"""Write the curated suite data committed under src/verispec/bench/data/ (deterministic).
+"""Write the curated suite data committed under src/verispec/evaluation/data/ (deterministic).
 
     python scripts/make_suites.py
 

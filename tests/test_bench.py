@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.bench import load_results
-from verispec.bench.report import summarize, write_report
-from verispec.bench.store import ResultsFile, read_rows
+from verispec.evaluation import load_results
+from verispec.evaluation.report import summarize, write_report
+from verispec.evaluation.store import ResultsFile, read_rows
 from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.models import load_drafter, load_model
@@ -27,7 +27,7 @@ from verispec.sampling import SamplingConfig
 
 TARGET = os.environ.get("VERISPEC_TEST_TARGET", "default")
 DRAFT = os.environ.get("VERISPEC_TEST_DRAFT", "default-draft")
-TIMING = {"seconds", "tokens_per_second"}
+TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
 
 
 def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
-    from verispec.bench.sweep import SweepSpec, run_sweep
+    from verispec.evaluation.sweep import SweepSpec, run_sweep
 
     with pytest.raises(ValueError, match="lenience"):
         run_sweep(SweepSpec(rules=("lenience:l=7",)), tmp_path / "x")

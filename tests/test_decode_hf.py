@@ -236,7 +236,7 @@ def test_lean_backend_equals_transformers(pair):
 def test_default_tokenizer_round_trips_with_proper_spacing():
     if TARGET != "default":
         pytest.skip("checks the embedded default tokenizer")
-    from verispec.bench.suites import load_suite
+    from verispec.evaluation.suites import load_suite
 
     target = load_model("default")
     texts = [item.prompt for item in load_suite("shakespeare").items]

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from verispec.bench import scorers
-from verispec.bench.suites import Item, load_suite, names
+from verispec.evaluation import scorers
+from verispec.evaluation.suites import Item, load_suite, names
 
 
 def test_builtin_suites_load():

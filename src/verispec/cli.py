@@ -12,26 +12,13 @@ def catalogue_rows() -> list[dict[str, str]]:
     return [rule_class(n).describe() for n in names()]
 
 
-def markdown_table(rows: list[dict[str, str]]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def text_table(rows: list[dict[str, str]], cols: list[str]) -> str:
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    out = ["  ".join(c.ljust(widths[c]) for c in cols), "  ".join("-" * widths[c] for c in cols)]
-    out += ["  ".join(r[c].ljust(widths[c]) for c in cols) for r in rows]
-    return "\n".join(out)
-
-
 def cmd_rules(args: argparse.Namespace) -> int:
+    from verispec.tables import markdown_table, text_table
+
     rows = catalogue_rows()
-    if args.markdown:
-        print(markdown_table(rows))
-    else:
-        print(text_table(rows, ["rule", "family", "lossless", "parameters", "source"]))
+    cols = list(rows[0]) if args.markdown else ["rule", "family", "lossless", "parameters", "source"]
+    table = markdown_table if args.markdown else text_table
+    print(table(cols, [[r[c] for c in cols] for r in rows]))
     return 0
 
 
@@ -39,7 +26,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="named model (default, smollm2-135m) or local path")
     parser.add_argument("--draft", default=None,
                         help="draft model name/path, self:layers=N, ngram:n=N, or none (default: the target's "
-                             "default draft: default-draft for the default target, self:layers=8 for smollm2-135m)")
+                             "default draft: default-draft for the default target, self:layers=8 for smollm2-135m, "
+                             "ngram:n=3 for any other model)")
     parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda); rule maths run on the CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the target's compute dtype (default float32)")
@@ -55,13 +43,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eta", type=float, default=None)
 
 
-DEFAULT_DRAFTS = {"default": "default-draft", "smollm2-135m": "self:layers=8"}
-
-
 def default_draft(target: str) -> str:
-    if target not in DEFAULT_DRAFTS:
-        raise ValueError(f"no default draft for target '{target}': pass --draft (a model, self:layers=N or ngram:n=N)")
-    return DEFAULT_DRAFTS[target]
+    from verispec.models import default_draft as from_registry
+
+    return from_registry(target)
 
 
 def json_safe(obj):
@@ -109,7 +94,7 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 
 def print_report(results: str, html: str | None = None) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
-    from verispec.bench.report import write_report
+    from verispec.evaluation.report import write_report
 
     table, html_path = write_report(results, html)
     print(table)
@@ -118,7 +103,7 @@ def print_report(results: str, html: str | None = None) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from verispec.bench.sweep import SweepSpec, run_sweep
+    from verispec.evaluation.sweep import SweepSpec, run_sweep
 
     draft = args.draft if args.draft is not None else default_draft(args.target)
     spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
@@ -135,7 +120,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from verispec.bench.sweep import SweepSpec, run_sweep
+    from verispec.evaluation.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft", rules=DEMO_RULES, temperatures=(1.0,),
                      ks=(4,), seeds=(0, 1), limit=args.prompts, max_new_tokens=48)

@@ -23,7 +23,7 @@ from torch import Tensor
 from verispec.diagnostics.shift import position_stats
 from verispec.models.base import LanguageModel
 from verispec.rules import Rule, parse
-from verispec.rules.base import sample_from
+from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 
 
@@ -92,10 +92,15 @@ class Generation:
             return 0.0
         return float(sum(a - b if a != b else 0.0 for a, b in zip(self.steps["log_law"], self.steps["log_target"])))
 
-    def stats(self) -> dict[str, float | int | str]:
-        out: dict[str, float | int | str] = {
+    def stats(self) -> dict[str, float | int | str | None]:
+        """The generation's summary: the one place that aggregates a generation (the CLI's --json, the
+        Python API's `.stats` and every sweep row use it). Definitions: docs/design.md, section 'Words'."""
+        proposed = sum(b.proposed for b in self.blocks)
+        out: dict[str, float | int | str | None] = {
             "rule": self.rule,
             "tokens": self.num_tokens,
+            "proposed": proposed,
+            "accepted": sum(b.accepted for b in self.blocks),
             "acceptance_rate": self.acceptance_rate,
             "block_efficiency": self.block_efficiency,
             "tokens_per_second": self.tokens_per_second,
@@ -108,12 +113,15 @@ class Generation:
             "diagnostics_seconds": self.diagnostics_seconds,
         }
         if self.steps:
-            n = len(self.steps["tv"])
+            steps, n = self.steps, len(self.steps["tv"])
+            baseline = [x for x in steps["tv_baseline"] if math.isfinite(x)]
             out["log_ratio"] = self.log_ratio
-            out["mean_tv"] = sum(self.steps["tv"]) / n
-            out["mean_kl"] = sum(self.steps["kl"]) / n
-            out["max_overshoot"] = max(self.steps["max_ratio"])
-            out["target_nll_per_token"] = -sum(self.steps["log_target_raw"]) / n
+            out["mean_tv"] = sum(steps["tv"]) / n
+            out["mean_kl"] = sum(steps["kl"]) / n
+            out["mean_tv_baseline"] = sum(baseline) / len(baseline) if baseline else None
+            out["max_overshoot"] = max(steps["max_ratio"])
+            out["mean_tail_mass"] = sum(steps["tail_mass"]) / n
+            out["target_nll"] = -sum(steps["log_target_raw"]) / n  # per token, under the raw target
         return out
 
 
@@ -224,7 +232,7 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
             out = result.tokens[0, : n + 1]
         else:
             n = 0
-            out = sample_from(rule._bonus(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
+            out = sample_from(rule.bonus_law(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
         roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
         keep = min(len(out), remaining)
         if eos is not None and (out[:keep] == eos).any():

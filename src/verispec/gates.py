@@ -16,10 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def entropy(probs: Tensor) -> Tensor:
-    """Shannon entropy in nats along the last dim (0 log 0 = 0): [...]."""
-    return -torch.special.xlogy(probs, probs).sum(-1)  # xlogy(0, 0) = 0
+from verispec.probability import entropy
 
 
 def min_p_mask(probs: Tensor, min_p: float, values: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from verispec.gates import eta_mask, min_p_mask, top_k_mask, top_p_mask
-from verispec.rules.base import normalize, one_hot_argmax
+from verispec.probability import normalize, one_hot_argmax
 
 
 @dataclass(frozen=True)

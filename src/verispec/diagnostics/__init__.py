@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from verispec.diagnostics.distances import js, kl, max_ratio, tail_mass, tv
+from verispec.probability import js, kl, max_ratio, tail_mass, tv
 
 __all__ = ["js", "kl", "max_ratio", "tail_mass", "tv"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.diagnostics.distances import kl, max_ratio, tail_mass, tv
+from verispec.probability import kl, max_ratio, renormalised_f64, tail_mass, tv
 from verispec.rules.base import Rule
 
 ROLES = ("accepted", "recovered", "bonus", "plain")
@@ -24,12 +24,6 @@ FIELDS = (
     "token", "role", "log_target", "log_law", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass",
     "expected_accept", "draft_confidence", "draft_over_target", "log_target_raw",
 )  # log_target_raw (the raw target's log-probability of the token) is added by the decode loop
-
-
-def _renormalised_f64(probs: Tensor) -> Tensor:
-    """float64 rows renormalised: float32 softmax rows sum to 1 only within ~1e-6."""
-    probs = probs.to(torch.float64)
-    return probs / probs.sum(-1, keepdim=True)
 
 
 def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str],
@@ -73,7 +67,7 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
     if rule.lossless:
         stats = _lossless_stats(target_probs, draft_probs, tokens, roles, rule.block_level)
     else:
-        p = _renormalised_f64(target_probs)
+        p = renormalised_f64(target_probs)
         n = p.shape[0]
         drafted = torch.tensor([r in ("accepted", "recovered") for r in roles], dtype=torch.bool)
         idx = tokens.long()[:, None]
@@ -81,16 +75,16 @@ def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens
         expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
         law = torch.empty_like(p)  # [n, V]
         if drafted.any():
-            q = _renormalised_f64(draft_probs[drafted])
+            q = renormalised_f64(draft_probs[drafted])
             pd = p[drafted]
-            law[drafted] = rule._emitted(pd, q)
+            law[drafted] = rule.emitted_law(pd, q)
             if not rule.block_level:  # a block rule has no per-position acceptance probability
-                expected[drafted] = (q * rule._accept(pd, q)).sum(-1)
+                expected[drafted] = (q * rule.acceptance(pd, q)).sum(-1)
             confidence[drafted] = q.amax(-1)
             over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
         if not drafted.all():
-            law[~drafted] = rule._bonus(p[~drafted])
-        base = rule._baseline(p)
+            law[~drafted] = rule.bonus_law(p[~drafted])
+        base = rule.baseline_law(p)
         stats = {
             "token": tokens.long(),
             "log_target": p.gather(-1, idx).squeeze(-1).log(),

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from verispec.models.base import CachedSession, LanguageModel, Session
 from verispec.models.drafters import ModelDrafter, NGramDrafter
 from verispec.models.toy import TabularModel
+from verispec.spec import Param, Registry, parse_params, split
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_PAIR = ASSETS / "default_pair"
@@ -41,11 +44,30 @@ def _smollm2() -> Path:
     return path
 
 
-NAMED = {
-    "default": lambda: DEFAULT_PAIR / "target",
-    "default-draft": lambda: DEFAULT_PAIR / "draft",
-    "smollm2-135m": _smollm2,
-}
+@dataclass(frozen=True)
+class NamedModel:
+    """A model verispec knows by name: where its files are, and the drafter it pairs with by default."""
+
+    locate: Callable[[], Path]
+    default_draft: str
+
+
+MODELS: Registry[NamedModel] = Registry("model")
+MODELS.add("default", NamedModel(lambda: DEFAULT_PAIR / "target", default_draft="default-draft"))
+MODELS.add("default-draft", NamedModel(lambda: DEFAULT_PAIR / "draft", default_draft="ngram:n=3"))
+# SmolLM2 ships no draft model: its first 8 of 30 layers (benchmarks/RESULTS.md, SmolLM2 section)
+MODELS.add("smollm2-135m", NamedModel(_smollm2, default_draft="self:layers=8"))
+
+
+def default_draft(target: object) -> str:
+    """The drafter `verispec run`, `verispec bench` and `verispec.generate` use when none is given:
+    a named target's own default, `ngram:n=3` (prompt lookup: needs no second model) otherwise."""
+    if isinstance(target, str) and target in MODELS:
+        return MODELS.get(target).default_draft
+    name = getattr(target, "name", None)
+    if isinstance(name, str) and name in MODELS:
+        return MODELS.get(name).default_draft
+    return "ngram:n=3"
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,27 +75,19 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     """A named model or a local path -> HFModel (cached: loading twice returns the same object)."""
     from verispec.models.hf import load_hf
 
-    path = NAMED[spec]() if spec in NAMED else Path(spec)
-    if spec not in NAMED and not path.exists():
-        raise FileNotFoundError(f"model not found: '{spec}' is neither a named model ({', '.join(NAMED)}) nor a local path")
+    if spec in MODELS:
+        path = MODELS.get(spec).locate()
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"model not found: '{spec}' is neither a named model "
+                                    f"({', '.join(MODELS.names())}) nor a local path")
     return load_hf(path, name=spec, device=device, dtype=dtype)
 
 
-def _spec_args(spec: str, kind: str, keys: set[str]) -> dict[str, int]:
-    _, _, text = spec.partition(":")
-    args: dict[str, int] = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in keys:
-            raise ValueError(f"drafter '{kind}' has no parameter '{key}'; its parameters: {', '.join(sorted(keys))}")
-        try:
-            args[key] = int(value)
-        except ValueError:
-            raise ValueError(f"drafter '{kind}': {key}={value!r} must be an integer") from None
-    missing = keys - set(args)
-    if missing:
-        raise ValueError(f"drafter '{kind}' needs {', '.join(sorted(missing))}, e.g. '{kind}:{sorted(keys)[0]}=3'")
-    return args
+DRAFTERS: Registry[tuple[Param, ...]] = Registry("drafter")
+DRAFTERS.add("self", (Param("layers", int, "integer >= 1, below the target's layer count", lambda v: v >= 1),))
+DRAFTERS.add("ngram", (Param("n", int, "integer n >= 1", lambda v: v >= 1),))
 
 
 def check_compatible(target, draft) -> None:
@@ -93,17 +107,19 @@ def check_compatible(target, draft) -> None:
 
 def load_drafter(spec: str, target, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A drafter for `target` from its spec: a model name/path, `self:layers=N` or `ngram:n=N`."""
-    kind = spec.partition(":")[0]
-    if kind == "self":
-        return ModelDrafter(target.truncated(_spec_args(spec, "self", {"layers"})["layers"]))
-    if kind == "ngram":
-        return NGramDrafter(_spec_args(spec, "ngram", {"n"})["n"], target.vocab_size)
+    kind, args = split(spec, "drafter", "ngram:n=3")
+    if kind in DRAFTERS:
+        params = DRAFTERS.get(kind)
+        values = parse_params("drafter", kind, args, params, required=tuple(p.key for p in params))
+        if kind == "self":
+            return ModelDrafter(target.truncated(int(values["layers"])))
+        return NGramDrafter(int(values["n"]), target.vocab_size)
     draft = load_model(spec, device, dtype)
     check_compatible(target, draft)
     return ModelDrafter(draft)
 
 
 __all__ = [
-    "CachedSession", "LanguageModel", "ModelDrafter", "NGramDrafter", "NAMED", "Session", "TabularModel",
-    "check_compatible", "load_drafter", "load_model",
+    "DRAFTERS", "MODELS", "CachedSession", "LanguageModel", "ModelDrafter", "NGramDrafter", "NamedModel", "Session",
+    "TabularModel", "check_compatible", "default_draft", "load_drafter", "load_model",
 ]

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from verispec.models.base import LanguageModel, Session
-from verispec.rules.base import sample_from
+from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 
 

@@ -8,7 +8,7 @@ rejected draft tokens is just a shorter length (no copy). Tests check its logits
 transformers model it wraps.
 
 Matmuls: decoding reads every weight once per forward pass, so it is memory-bound, and the layout
-decides the speed. Measured on this project's CPU (bench/RESULTS.md): a single-token step is
+decides the speed. Measured on this project's CPU (benchmarks/RESULTS.md): a single-token step is
 fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens (the
 verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
 reads the weights at a third of the bandwidth. `_Linear` keeps both layouts (2x weight memory) and

@@ -1,4 +1,5 @@
-"""Verification rules: the catalogue of DESIGN.md section 2, each with its exact output law.
+"""Verification rules: the catalogue of docs/design.md (section 'The catalogue'), each with its exact
+output law. Adding a rule: docs/adding-a-rule.md.
 
     >>> from verispec.rules import parse, names
     >>> rule = parse("lenience:l=0.5")
@@ -15,6 +16,7 @@ from verispec.rules import honest  # noqa: F401  (honest truncation baselines)
 from verispec.rules import lenience, cos, fuzzy, sglang  # noqa: F401  (collaborative)
 from verispec.rules import budget  # noqa: F401  (bounded by construction)
 from verispec.rules.base import Param, Rule, VerifyResult
+from verispec.rules.honest import honest_baseline
 from verispec.rules.registry import names, parse, rule_class
 
-__all__ = ["Param", "Rule", "VerifyResult", "names", "parse", "rule_class"]
+__all__ = ["Param", "Rule", "VerifyResult", "honest_baseline", "names", "parse", "rule_class"]

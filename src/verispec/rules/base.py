@@ -1,7 +1,7 @@
 """The verification-rule interface and the generic token-level sampling path.
 
 At one draft position a single-draft verification rule is two functions of the target distribution
-`p` (target_probs) and the draft distribution `q` (draft_probs) (DESIGN.md section 1):
+`p` (target_probs) and the draft distribution `q` (draft_probs) (docs/design.md, section 'Rule anatomy'):
 
     accept(p, q)[x]   probability that the drafted token x is kept;
     residual(p, q)    the distribution resampled from after a rejection;
@@ -31,16 +31,10 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a rule spec: its key, type, default, allowed range (text) and check."""
+from verispec.probability import at, check_pair, check_probs, sample_from
+from verispec.spec import Param, check_ranges
 
-    key: str
-    kind: type
-    allowed: str
-    check: Callable[[Any], bool]
-    help: str = ""
-
+__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "check_block"]
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -63,41 +57,6 @@ class VerifyResult:
 # small pure helpers shared by the rules
 
 
-def normalize(weights: Tensor, fallback: Tensor) -> Tensor:
-    """`weights / sum(weights)` along the last dim, `fallback` where the sum is zero."""
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), fallback)
-
-
-def one_hot_argmax(probs: Tensor) -> Tensor:
-    """One-hot of argmax along the last dim (first index on ties), same dtype as `probs`."""
-    out = torch.zeros_like(probs)
-    return out.scatter_(-1, probs.argmax(-1, keepdim=True), 1.0)
-
-
-def ratio_accept(numerator: Tensor, draft_probs: Tensor) -> Tensor:
-    """`min(1, numerator / q)`, defined as 1 where q == 0 (such a token is never drafted)."""
-    safe = draft_probs.clamp_min(torch.finfo(draft_probs.dtype).tiny)
-    return torch.where(draft_probs > 0, (numerator / safe).clamp(max=1.0), torch.ones_like(draft_probs))
-
-
-def at(probs: Tensor, tokens: Tensor) -> Tensor:
-    """probs [..., V] at tokens [...] -> [...]."""
-    return probs.gather(-1, tokens[..., None]).squeeze(-1)
-
-
-def sample_from(probs: Tensor, uniform: Tensor) -> Tensor:
-    """Inverse-CDF sample of one token per row: probs [B, V], uniform [B] in [0, 1) -> [B] long.
-
-    Computed in float64; a token with zero probability is never returned.
-    """
-    cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
-    target = uniform.to(torch.float64)[:, None] * cdf[:, -1:]  # [B, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
-    last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)  # [B]
-    return torch.minimum(idx, last_positive)
-
-
 def assemble_tokens(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) -> Tensor:
     """[B, K+1]: the first num_accepted draft tokens, then `last` (recovered or bonus), then -1."""
     b, k = draft_tokens.shape
@@ -110,49 +69,6 @@ def assemble_tokens(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) ->
 
 # ---------------------------------------------------------------------------------------------
 # input validation
-
-
-def _sum_tolerance(dtype: torch.dtype, vocab: int) -> float:
-    if dtype == torch.float64:
-        return 1e-6
-    # float32 softmax over V entries sums to 1 within ~eps*sqrt(V) (measured: 6e-6 at V=50k).
-    return max(1e-6, torch.finfo(dtype).eps * math.sqrt(vocab))
-
-
-def check_probs(name: str, probs: Tensor) -> None:
-    """Raise ValueError unless `probs` is a float32/float64 tensor of distributions over the last dim."""
-    if not isinstance(probs, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
-    if probs.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{name} must be float32 or float64 probabilities, got {probs.dtype}")
-    if probs.ndim < 1 or probs.shape[-1] < 1:
-        raise ValueError(f"{name} must have a non-empty vocabulary dimension, got shape {tuple(probs.shape)}")
-    if probs.numel() == 0:
-        return
-    # two passes (min, row sums) catch everything: NaN fails `min >= 0`, +inf breaks a row sum
-    low = probs.amin()
-    sums = probs.sum(-1)
-    tol = _sum_tolerance(probs.dtype, probs.shape[-1])
-    err = (sums - 1).abs().max()
-    if bool(low >= 0) and bool(err <= tol):
-        return
-    if not torch.isfinite(probs).all():
-        raise ValueError(f"{name} contains NaN or inf")
-    if bool(low < 0):
-        raise ValueError(f"{name} contains negative probabilities (min {low.item():.3g})")
-    raise ValueError(f"{name} rows must sum to 1 (worst row is off by {err.item():.3g}, tolerance {tol:.1g})")
-
-
-def check_pair(target_probs: Tensor, draft_probs: Tensor) -> None:
-    check_probs("target_probs", target_probs)
-    check_probs("draft_probs", draft_probs)
-    if target_probs.shape != draft_probs.shape:
-        raise ValueError(
-            f"target_probs and draft_probs must have the same shape, got {tuple(target_probs.shape)} "
-            f"and {tuple(draft_probs.shape)}"
-        )
-    if target_probs.dtype != draft_probs.dtype:
-        raise ValueError(f"target_probs is {target_probs.dtype} but draft_probs is {draft_probs.dtype}")
 
 
 def check_block(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor) -> None:
@@ -205,10 +121,7 @@ class Rule:
     params: ClassVar[tuple[Param, ...]] = ()
 
     def __post_init__(self) -> None:
-        for param in self.params:
-            value = getattr(self, param.key)
-            if not param.check(value):
-                raise ValueError(f"rule '{self.name}': {param.key}={value!r} is out of range; allowed: {param.allowed}")
+        check_ranges("rule", self.name, self.params, {p.key: getattr(self, p.key) for p in self.params})
 
     # -- the maths, on validated tensors (subclasses implement these) --------------------------
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
@@ -239,6 +152,25 @@ class Rule:
     def _baseline(self, p: Tensor) -> Tensor | None:
         return None
 
+    # -- public, unchecked: for callers whose inputs are valid distributions by construction ----
+    # (the decode loop and the diagnostics get p and q from `verispec.sampling.process`); the
+    # checked methods below validate first. docs/design.md, section 'Layering'.
+    def acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+        """`accept` without input checks: [..., V]."""
+        return self._accept(target_probs, draft_probs)
+
+    def emitted_law(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
+        """`emitted` without input checks: the exact law of the token emitted at a draft position."""
+        return self._emitted(target_probs, draft_probs)
+
+    def bonus_law(self, target_probs: Tensor) -> Tensor:
+        """The law of the bonus token (after every draft token was accepted): [..., V]."""
+        return self._bonus(target_probs)
+
+    def baseline_law(self, target_probs: Tensor) -> Tensor | None:
+        """`baseline` without input checks: the honest truncation baseline, or None."""
+        return self._baseline(target_probs)
+
     # -- public API (validates, then runs the maths) --------------------------------------------
     def accept(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
         """Probability that each token, once drafted, is kept: [..., V] in [0, 1]."""
@@ -261,7 +193,7 @@ class Rule:
         return self._residual_after(target_probs, draft_probs, rejected_tokens.long())
 
     def emitted(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
-        """Exact law of the token emitted at one draft position (DESIGN.md section 1): [..., V]."""
+        """Exact law of the token emitted at one draft position (docs/design.md, section 'Rule anatomy'): [..., V]."""
         check_pair(target_probs, draft_probs)
         return self._emitted(target_probs, draft_probs)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, normalize, ratio_accept
+from verispec.probability import normalize, ratio_accept
+from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, at, normalize, ratio_accept
+from verispec.probability import at, normalize, ratio_accept
+from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
 
 

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.diagnostics.distances import js, kl, tv
-from verispec.rules.base import Param, Rule, at, normalize, ratio_accept
+from verispec.probability import at, js, kl, normalize, ratio_accept, tv
+from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
+from verispec.spec import Registry
 
-DIVERGENCES = {"js": js, "tv": tv, "kl": kl}
+DIVERGENCES: Registry = Registry("divergence")
+for _name, _fn in (("js", js), ("tv", tv), ("kl", kl)):
+    DIVERGENCES.add(_name, _fn)
 
 
 @register
@@ -38,7 +41,7 @@ class Fuzzy(Rule):
 
     def close(self, p: Tensor, q: Tensor) -> Tensor:
         """Boolean [..., 1]: positions where the draft is close enough to be kept outright."""
-        return (DIVERGENCES[self.div](p, q) <= self.threshold)[..., None]
+        return (DIVERGENCES.get(self.div)(p, q) <= self.threshold)[..., None]
 
     def _accept(self, p: Tensor, q: Tensor) -> Tensor:
         return torch.where(self.close(p, q), torch.ones_like(q), ratio_accept(p, q))

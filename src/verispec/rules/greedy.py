@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Rule, one_hot_argmax
+from verispec.probability import one_hot_argmax
+from verispec.rules.base import Rule
 from verispec.rules.registry import register
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Rule, at, normalize, ratio_accept
+from verispec.probability import at, normalize, ratio_accept
+from verispec.rules.base import Rule
 from verispec.rules.registry import register
 from verispec.rules.truncation import TruncationRule
 
@@ -61,3 +62,9 @@ class Honest(Rule):
     @property
     def spec(self) -> str:
         return f"honest:{self.inner.spec}"
+
+
+def honest_baseline(rule: Rule) -> Honest | None:
+    """The honest truncation sampler a truncation rule must be compared with (the same gate, sampled
+    losslessly), or None for every other rule. The one place that pairs the two."""
+    return Honest(inner=rule) if isinstance(rule, TruncationRule) else None

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Rule, VerifyResult, assemble_tokens, at, normalize, sample_from
+from verispec.probability import at, normalize, sample_from
+from verispec.rules.base import Rule, VerifyResult, assemble_tokens
 from verispec.rules.registry import register
 
 

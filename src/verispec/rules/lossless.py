@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.rules.base import Rule, at, normalize, ratio_accept
+from verispec.probability import at, normalize, ratio_accept
+from verispec.rules.base import Rule
 from verispec.rules.registry import register
 
 

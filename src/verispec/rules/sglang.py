@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, at, normalize
+from verispec.probability import at, normalize
+from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
 
 

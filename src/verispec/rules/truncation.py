@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.rules.base import Param, Rule, at, normalize, one_hot_argmax
+from verispec.probability import at, normalize, one_hot_argmax
+from verispec.rules.base import Param, Rule
 
 RESAMPLE = Param("resample", str, "target | truncated | greedy", lambda v: v in ("target", "truncated", "greedy"))
 

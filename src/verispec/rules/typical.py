@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from verispec.gates import eta_mask
-from verispec.rules.base import at
+from verispec.probability import at
 from verispec.rules.registry import register
 from verispec.rules.truncation import RESAMPLE, Param, TruncationRule
 

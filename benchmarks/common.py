@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.tables import text_table
+
 PROMPTS = [
     "KING.\nWhat says the queen?\n",
     "To be, or not to be, that is the question:\n",
@@ -51,11 +53,7 @@ def fmt_spread(s: dict, digits: int = 2) -> str:
 
 
 def print_table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(text_table(head, rows))
 
 
 def write_json(path: str | Path, data: dict) -> None:

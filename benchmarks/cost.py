@@ -1,6 +1,6 @@
 """Cost growth: time per generated token vs context length (128 .. 2048) and vs k (1 .. 8).
 
-    python bench/cost.py [--target default] [--draft default-draft]
+    python benchmarks/cost.py [--target default] [--draft default-draft]
 
 For each context length L the prompt is L tokens of play text, then new tokens are decoded, plain
 and lossless speculative (k = 4), greedy so that runs are comparable. The cost per token is
@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, print_table, write_json  # noqa: E402
+from common import environment, print_table, write_json
 
-from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
-from verispec.models import load_drafter, load_model  # noqa: E402
-from verispec.sampling import SamplingConfig  # noqa: E402
+from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
+from verispec.models import load_drafter, load_model
+from verispec.sampling import SamplingConfig
 
 
 def main() -> None:
@@ -35,7 +34,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default="bench/results/cost.json")
+    ap.add_argument("--json", default="benchmarks/results/cost.json")
     args = ap.parse_args()
     target = load_model(args.target)
     drafter = load_drafter(args.draft, target)

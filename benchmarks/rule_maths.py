@@ -1,6 +1,6 @@
 """Goal 4: the cost of the rule maths alone, against one pass that reads the same inputs.
 
-    python bench/rule_maths.py [--shape 64 9 50000] [--reps 7]
+    python benchmarks/rule_maths.py [--shape 64 9 50000] [--reps 7]
 
 For each rule: `emitted(p, q)` on [B, K, V] and `verify(p, q, x)` on [B, K+1, V] / [B, K, V], as the
 decode loop calls them (inputs already validated: `_emitted`, `verify_with_uniforms(validate=False)`)
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, print_table, spread, timed, write_json  # noqa: E402
+from common import environment, print_table, spread, timed, write_json
 
-from verispec.rules import parse  # noqa: E402
+from verispec.rules import parse
 
 RULES = ["lossless", "hsd", "lenience:l=0.5", "cos:w=0.5", "budget:tv=0.05,ratio=2", "speccascade:min_p=0.1",
          "typical:eps=0.09,alpha=0.3", "topk:k=8", "topp:p=0.9", "relaxed:n=10,delta=0.6", "fuzzy:threshold=0.1",
@@ -31,7 +30,7 @@ def main() -> None:
     ap.add_argument("--shape", nargs=3, type=int, default=[64, 9, 50000], metavar=("B", "K1", "V"))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rules", nargs="+", default=RULES)
-    ap.add_argument("--json", default="bench/results/rule_maths.json")
+    ap.add_argument("--json", default="benchmarks/results/rule_maths.json")
     args = ap.parse_args()
     b, k1, v = args.shape
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +43,7 @@ def main() -> None:
     for spec in args.rules:
         rule = parse(spec)
         if not rule.block_level:
-            cases[f"{spec} | emitted (loop)"] = lambda r=rule: r._emitted(p_k, q)
+            cases[f"{spec} | emitted (loop)"] = lambda r=rule: r.emitted_law(p_k, q)
             cases[f"{spec} | emitted (API)"] = lambda r=rule: r.emitted(p_k, q)
         cases[f"{spec} | verify (loop)"] = lambda r=rule: r.verify_with_uniforms(p, q, x, uniforms, validate=False)
         cases[f"{spec} | verify (API)"] = lambda r=rule: r.verify_with_uniforms(p, q, x, uniforms)

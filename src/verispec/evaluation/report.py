@@ -1,7 +1,7 @@
 """The diagnostic report of a sweep: speed, shift and quality of every rule, side by side.
 
 `summarize(rows)` aggregates the results rows per config; `terminal_table` and `write_html` render
-it. Definitions (DESIGN.md section 5): acceptance rate = accepted / proposed draft tokens; block
+it. Definitions (docs/design.md, section 'Words'): acceptance rate = accepted / proposed draft tokens; block
 efficiency = emitted tokens / target forward passes; speedup = tokens/s of the config / tokens/s of
 plain decoding over the same (prompt, seed) units of the same sweep, run interleaved.
 Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
@@ -19,7 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, stdev
 
-from verispec.bench.store import read_rows
+from verispec.evaluation.store import read_rows
+from verispec.tables import text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
 OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
@@ -39,8 +40,9 @@ def t_interval(values: list[float]) -> tuple[float, float]:
 
 
 def baseline_of(config_rule: str) -> str | None:
-    from verispec.rules import parse
-    from verispec.rules.truncation import TruncationRule
+    """The config a row's score is compared with: the honest truncation sampler for a truncation rule,
+    plain decoding for lossless, lossless otherwise; None for plain and the honest samplers themselves."""
+    from verispec.rules import honest_baseline, parse
 
     if config_rule == "plain":
         return None
@@ -49,7 +51,8 @@ def baseline_of(config_rule: str) -> str | None:
     rule = parse(config_rule)
     if rule.name == "honest":  # a baseline itself: the sampling the user asked for, compared with nothing
         return None
-    return f"honest:{rule.spec}" if isinstance(rule, TruncationRule) else "lossless"
+    honest = honest_baseline(rule)
+    return honest.spec if honest is not None else "lossless"
 
 
 def _finite(xs) -> list[float]:
@@ -327,7 +330,7 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
         f"{b['accepted']} ({_fmt(b['share'], 2)}) TV={_fmt(b['tv'], 3)}" for b in s["by_overshoot"]]
         for s in summary if s["rule"] != "plain"]))
     parts.append("<p class='note'>Load the raw rows in pandas: "
-                 "<code>verispec.bench.load_results(DIR)</code>.</p></body></html>")
+                 "<code>verispec.evaluation.load_results(DIR)</code>.</p></body></html>")
     return "".join(parts)
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.bench import scorers
+from verispec.evaluation import scorers
+from verispec.spec import Registry, split
 
 DATA = Path(__file__).parent / "data"
 
@@ -135,25 +136,30 @@ def mbpp(path: str) -> Suite:
                  primary="pass_at_1", max_new_tokens=256)
 
 
-SUITES: dict[str, Callable[[], Suite]] = {
-    "shakespeare": shakespeare, "capitals": capitals, "arithmetic": arithmetic, "humaneval": humaneval,
-}
-FILE_SUITES: dict[str, Callable[[str], Suite]] = {"gsm8k": gsm8k, "math": math_suite, "mbpp": mbpp}
+SUITES: Registry[Callable[[], Suite]] = Registry("suite")
+for _name, _build in (("shakespeare", shakespeare), ("capitals", capitals), ("arithmetic", arithmetic),
+                      ("humaneval", humaneval)):
+    SUITES.add(_name, _build)
+FILE_SUITES: Registry[Callable[[str], Suite]] = Registry("file suite")
+for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp)):
+    FILE_SUITES.add(_name, _build)
 
 
 def names() -> list[str]:
-    return list(SUITES) + [f"{n}:PATH" for n in FILE_SUITES]
+    return SUITES.names() + [f"{n}:PATH" for n in FILE_SUITES]
 
 
 def load_suite(spec: str) -> Suite:
     """`shakespeare`, `capitals`, `arithmetic`, `humaneval`, or `gsm8k:PATH`, `math:PATH`, `mbpp:PATH`."""
-    name, _, path = spec.partition(":")
-    if name in SUITES and not path:
-        return SUITES[name]()
+    name, path = split(spec, "suite", "shakespeare")
     if name in FILE_SUITES:
         if not path:
             raise ValueError(f"suite '{name}' reads a local file: use {name}:PATH/TO/FILE.jsonl")
         if not Path(path).exists():
             raise FileNotFoundError(f"suite file not found: {path}")
-        return FILE_SUITES[name](path)
-    raise ValueError(f"unknown suite '{spec}'; known: {', '.join(names())}")
+        return FILE_SUITES.get(name)(path)
+    if name in SUITES and path:
+        raise ValueError(f"suite '{name}' takes no argument, got {spec!r}")
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; known suites: {', '.join(names())}")
+    return SUITES.get(name)()

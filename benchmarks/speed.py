@@ -1,8 +1,8 @@
 """Goals 1-3 and 6: verispec's decode loop against plain decoding and transformers' assisted
 generation, on one model pair, batch 1, measured side by side in one process.
 
-    python bench/speed.py                      # default pair, 128 new tokens, 6 prompts x 5 rounds
-    python bench/speed.py --quick              # a 1-minute smoke run
+    python benchmarks/speed.py                      # default pair, 128 new tokens, 6 prompts x 5 rounds
+    python benchmarks/speed.py --quick              # a 1-minute smoke run
 
 Per round and prompt, every method runs once, interleaved (so machine noise hits all alike); each
 ratio is computed per (round, prompt) and reported as median [min, max]. Methods:
@@ -30,13 +30,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json  # noqa: E402
+from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json
 
-from verispec.api import as_dtype  # noqa: E402
-from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode  # noqa: E402
-from verispec.models import load_drafter, load_model  # noqa: E402
-from verispec.sampling import SamplingConfig  # noqa: E402
+from verispec.api import as_dtype
+from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
+from verispec.models import load_drafter, load_model
+from verispec.sampling import SamplingConfig
 
 
 def hf_generate(model, prompt: list[int], n: int, temperature: float, assistant=None, k: int = 4,
@@ -75,7 +74,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--dtype", default="float32", help="the target's compute dtype (the draft stays float32)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 2 prompts, 64 tokens")
-    ap.add_argument("--json", default="bench/results/speed.json")
+    ap.add_argument("--json", default="benchmarks/results/speed.json")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.tokens, args.ks = 2, 2, 64, [2, 4]
