@@ -1,4 +1,4 @@
-"""Goal 4: the cost of the rule maths alone, against one pass that reads the same inputs.
+"""Rule maths cost: the cost of the rule maths alone, against one pass that reads the same inputs.
 
     python benchmarks/rule_maths.py [--shape 64 9 50000] [--reps 7]
 

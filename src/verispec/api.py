@@ -44,11 +44,14 @@ def resolve_target(target, device: str = "cpu", dtype: torch.dtype = torch.float
 
 
 def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """None / "none" -> no drafter (plain decoding); a spec string; a model; or a drafter object."""
-    from verispec.models import ModelDrafter, check_compatible, load_drafter
+    """None / "none" -> no drafter (plain decoding); "auto" -> the target's default drafter
+    (`verispec.models.default_draft`, the same the CLI uses); a spec string; a model; or a drafter object."""
+    from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter
 
     if draft is None or draft == "none":
         return None
+    if draft == "auto":
+        draft = default_draft(target)
     if isinstance(draft, str):
         return load_drafter(draft, target, device, dtype)
     if hasattr(draft, "propose"):
@@ -76,7 +79,7 @@ def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> l
 def generate(
     prompt: str | list[int],
     target="default",
-    draft="default-draft",
+    draft="auto",
     rule: str | Rule = "lossless",
     *,
     k: int = 4,
@@ -94,6 +97,8 @@ def generate(
     draft_dtype: str | torch.dtype = "float32",
 ) -> GenerateResult:
     """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None).
+
+    draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
     dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
     target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU."""

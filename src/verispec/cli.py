@@ -43,12 +43,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eta", type=float, default=None)
 
 
-def default_draft(target: str) -> str:
-    from verispec.models import default_draft as from_registry
-
-    return from_registry(target)
-
-
 def json_safe(obj):
     """NaN -> null and +-inf -> "inf"/"-inf", recursively (strict JSON has neither)."""
     import math
@@ -68,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from verispec.api import as_dtype, generate, resolve_target
 
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))  # fails first, clearly, on a bad model
-    draft = args.draft if args.draft is not None else default_draft(args.target)
+    draft = args.draft if args.draft is not None else "auto"
     result = generate(
         args.prompt, target=target, draft=draft, rule=args.rule, k=args.k, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
@@ -104,6 +98,7 @@ def print_report(results: str, html: str | None = None) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.evaluation.sweep import SweepSpec, run_sweep
+    from verispec.models import default_draft
 
     draft = args.draft if args.draft is not None else default_draft(args.target)
     spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),

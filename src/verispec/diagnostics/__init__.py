@@ -1,4 +1,4 @@
-"""Diagnostics: distances between laws and the shift a verification rule causes (DESIGN.md sec. 3)."""
+"""Diagnostics: distances between laws and the shift a verification rule causes (docs/design.md, section 'Diagnostics')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-position shift of a verification rule on a real run (DESIGN.md section 3).
+"""Per-position shift of a verification rule on a real run (docs/design.md, section 'Diagnostics').
 
 At every emitted position the token's exact law given its prefix is known: `rule.emitted(p, q)` at a
 draft position (accepted or recovered token), the rule's bonus law (p for every rule but greedy) at

@@ -1,4 +1,4 @@
-"""The TV-budget rule (verispec's own, DESIGN.md section 2): the rule with the largest acceptance
+"""The TV-budget rule (verispec's own; docs/design.md, section 'The budget rule and its optimality'): the rule with the largest acceptance
 among all rules whose emitted law r satisfies TV(r, p) <= tv and r <= ratio * p.
 
 From r = p move mass m = min(tv, sum((min(q, ratio*p) - p)+), TV(p, q)) from tokens where p > q
@@ -52,7 +52,7 @@ def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tenso
 class Budget(Rule):
     name = "budget"
     family = "bounded"
-    source = "verispec (DESIGN.md sec. 2): max acceptance s.t. TV(r,p) <= tv, r <= ratio*p"
+    source = "verispec (docs/design.md, budget): max acceptance s.t. TV(r,p) <= tv, r <= ratio*p"
     summary = "largest acceptance with TV <= tv per token and overshoot <= ratio"
     lossless_when = "only at tv = 0"
     params = (
