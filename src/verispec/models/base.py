@@ -10,7 +10,7 @@ silently corrupt the context a model conditions on.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -66,3 +66,48 @@ class CachedSession:
         logits = self._feed(tokens[:, common:])  # [B, L - common, V]
         self._cached = tokens.clone()
         return logits[:, -n:]
+
+
+class BatchSession(Protocol):
+    """KV caches for many rows at once, each row with its own length (batched decoding).
+
+    Rows are named by caller-chosen integer ids. `logits_for(rows, tokens, n)` makes the cache of each
+    row `rows[i]` hold exactly the sequence `tokens[i]` (a 1-D LongTensor; rows may differ in length),
+    in ONE forward pass where the backend supports it, and returns, per row, the logits [n[i], V]
+    (float32, CPU) predicting its last n[i] positions; the same prefix-matching contract as `Session`,
+    per row. A row seen for the first time gets a fresh cache; `release(row)` frees it (rows leave
+    the batch; a released id may be reused for a new row).
+    """
+
+    def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]: ...
+
+    def release(self, row: int) -> None: ...
+
+
+class PerRowBatchSession:
+    """The generic `BatchSession`: one `Session` per row, fed one after the other.
+
+    Correct for every backend (each row is exactly batch-1 decoding), not fast: backends that can
+    run rows in one forward pass provide their own `batch_session()`."""
+
+    def __init__(self, model: LanguageModel):
+        self.model = model
+        self._sessions: dict[int, Session] = {}
+
+    def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
+        out = []
+        for row, seq, count in zip(rows, tokens, n):
+            session = self._sessions.get(row)
+            if session is None:
+                session = self._sessions[row] = self.model.session()
+            out.append(session.logits_for(seq[None], count)[0])  # [count, V]
+        return out
+
+    def release(self, row: int) -> None:
+        self._sessions.pop(row, None)
+
+
+def batch_session(model: LanguageModel) -> BatchSession:
+    """The model's own batched session if it has one, else the per-row fallback."""
+    make = getattr(model, "batch_session", None)
+    return make() if callable(make) else PerRowBatchSession(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.models.base import LanguageModel, Session
+from verispec.models.base import BatchSession, LanguageModel, Session, batch_session
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 
@@ -39,6 +39,35 @@ class ModelDrafter:
             probs.append(q)
             seq = torch.cat([seq, tok[:, None]], 1)
         return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+    # -- batched: the same draws per row, in the same order, each row from its own generator --------
+    def start_batch(self) -> None:
+        self._batch: BatchSession = batch_session(self.model)
+
+    def release(self, row: int) -> None:
+        self._batch.release(row)
+
+    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int], sampling: SamplingConfig,
+                      generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
+        """Per row: context [L_i] -> (draft tokens [k_i], draft distributions [k_i, V]); one batched
+        draft pass per draft position over the rows still drafting. Row i draws k_i uniforms from
+        generators[i], exactly as `propose` does for that row alone."""
+        seqs = list(contexts)
+        tokens: list[list[Tensor]] = [[] for _ in rows]
+        probs: list[list[Tensor]] = [[] for _ in rows]
+        for step in range(max(ks, default=0)):
+            active = [i for i, k in enumerate(ks) if k > step]
+            logits = self._batch.logits_for([rows[i] for i in active], [seqs[i] for i in active], [1] * len(active))
+            q = process(torch.cat(logits), sampling)  # [A, V]
+            uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in active])  # [A]
+            drawn = sample_from(q, uniforms)  # [A]
+            for j, i in enumerate(active):
+                tokens[i].append(drawn[j])
+                probs[i].append(q[j])
+                seqs[i] = torch.cat([seqs[i], drawn[j : j + 1]])
+        vocab = self.vocab_size
+        return [(torch.stack(t) if t else torch.zeros(0, dtype=torch.long),
+                 torch.stack(p) if p else torch.zeros(0, vocab)) for t, p in zip(tokens, probs)]
 
 
 class NGramDrafter:
@@ -71,3 +100,19 @@ class NGramDrafter:
         probs = torch.zeros(1, tokens.shape[1], self.vocab_size)
         probs.scatter_(-1, tokens[..., None], 1.0)  # [1, k', V], one-hot
         return tokens, probs
+
+    def start_batch(self) -> None:
+        pass
+
+    def release(self, row: int) -> None:
+        pass
+
+    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int], sampling: SamplingConfig,
+                      generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
+        """Per row: (draft tokens [k_i'], one-hot draft distributions [k_i', V]), k_i' <= k_i (model-free)."""
+        out = []
+        for context, k in zip(contexts, ks):
+            tokens, probs = self.propose(context[None], k, sampling, None) if k > 0 else (
+                context[None, :0], torch.zeros(1, 0, self.vocab_size))
+            out.append((tokens[0], probs[0]))
+        return out
