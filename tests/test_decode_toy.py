@@ -62,6 +62,7 @@ def as_vector(law: dict, length: int) -> np.ndarray:
     return vec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,k,length", CASES)
 def test_decode_loop_matches_exact_law(spec, k, length):
     target, draft = toy_pair()
@@ -82,6 +83,7 @@ def test_decode_loop_matches_exact_law(spec, k, length):
     assert rule.lossless or spec == "topk:k=1" or shift > 0.05, shift  # the lossy cases do exercise power
 
 
+@pytest.mark.slow
 def test_plain_decoding_matches_target_law():
     target, _ = toy_pair()
     gen = torch.Generator().manual_seed(7)
@@ -90,6 +92,7 @@ def test_plain_decoding_matches_target_law():
     assert chisquare_pvalue(counts, as_vector(joint_law(law_fn(target, [0]), V, 2), 2)) > 1e-4
 
 
+@pytest.mark.slow
 def test_ngram_drafter_is_exact_under_lossless():
     """A deterministic drafter (one-hot q) is still lossless: first 2 tokens follow the target."""
     target, _ = toy_pair()

@@ -38,6 +38,7 @@ def blocks(draw):
     return p, q, x, seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 @given(data=blocks())
 def test_verify_properties(spec, data):

@@ -63,6 +63,7 @@ def fit_pvalues(rule, p, q, result) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("spec", TOKEN_SPECS)
 def test_verify_matches_emitted_law(spec, case):
@@ -84,6 +85,7 @@ class BrokenLossless(Lossless):
         return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_power_broken_rule_fails(case):
     broken = BrokenLossless()
