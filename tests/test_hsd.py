@@ -31,7 +31,8 @@ class Tables:
 
     @lru_cache(maxsize=None)
     def get(self, which: str, ctx: tuple[int, ...]) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, {"p": 1, "q": 2}[which], len(ctx), *ctx])  # not hash(): salted per process
+        # not hash(): salted per process
+        rng = np.random.default_rng([self.seed, {"p": 1, "q": 2}[which], len(ctx), *ctx])
         w = rng.integers(0 if self.zeros else 1, 10, self.v).astype(float)
         if w.sum() == 0:
             w[0] = 1.0

