@@ -40,7 +40,8 @@ from torch import Tensor
 from verispec.probability import check_pair, check_probs, sample_from
 from verispec.spec import Param, check_ranges
 
-__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "blank_padding", "check_block", "draft_counts", "draw_uniforms"]
+__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "blank_padding", "check_block", "draft_counts",
+           "draw_uniforms"]
 
 @dataclass(frozen=True)
 class VerifyResult:
