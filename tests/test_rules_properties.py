@@ -92,11 +92,12 @@ def good_block():
         (lambda p, q, x: (p, q[..., :3] / q[..., :3].sum(-1, keepdim=True), x), "shape"),
         (lambda p, q, x: (p, q, x[:, :1]), "shape"),
         (lambda p, q, x: (p, q, torch.tensor([[1, 4]])), "outside the vocabulary"),
-        (lambda p, q, x: (p, q, torch.tensor([[-1, 0]])), "outside the vocabulary"),
+        (lambda p, q, x: (p, q, torch.tensor([[-1, 0]])), "padding at position 0 is followed by a real"),
+        (lambda p, q, x: (p, q, torch.tensor([[-2, 0]])), "outside the vocabulary"),
         (lambda p, q, x: (p.float(), q, x), "float32"),
         (lambda p, q, x: (p.half(), q.half(), x), "float32 or float64"),
         (lambda p, q, x: (p, torch.eye(4, dtype=q.dtype)[[0, 0]][None], x), "zero probability"),
-        (lambda p, q, x: (p[:, :1], q[:, :0], x[:, :0]), "K >= 1"),
+        (lambda p, q, x: (p[:, :0], q[:, :0], x[:, :0]), "shape"),  # K = 0 is allowed, K + 1 = 0 is not
     ],
 )
 def test_verify_rejects_bad_input(mutate, message):

@@ -17,6 +17,12 @@ Token roles follow vLLM's rejection sampler: *accepted* draft tokens, then one *
 token drawn from the target at position K. All randomness is drawn up front: one uniform per draft
 position and one for the recovered/bonus token (`uniforms [B, K+1]`).
 
+Batched verification (docs/design.md, section 'Token roles'): rows may have ragged draft lengths,
+draft_tokens padded with -1 after row i's last real draft (k_i real drafts, 0 <= k_i <= K); row i
+uses uniforms[i, :k_i] for its drafts and uniforms[i, k_i] for its recovered/bonus token, and a
+sequence of B generators draws k_i + 1 uniforms per row, so a row verified in a batch gives the
+same result as verified alone with the same generator state.
+
 Inputs are validated (finite, non-negative, rows summing to 1, shapes, token range) and a clear
 `ValueError` is raised otherwise; maths runs in the input dtype (float32 or float64).
 """
@@ -24,33 +30,37 @@ Inputs are validated (finite, non-negative, rows summing to 1, shapes, token ran
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from verispec.probability import at, check_pair, check_probs, sample_from
+from verispec.probability import check_pair, check_probs, sample_from
 from verispec.spec import Param, check_ranges
 
-__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "check_block"]
+__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "blank_padding", "check_block", "draft_counts",
+           "draw_uniforms"]
 
 @dataclass(frozen=True)
 class VerifyResult:
     """Outcome of verifying one block per row.
 
-    num_accepted [B]: accepted draft tokens (0..K).
-    tokens [B, K+1]: the accepted draft tokens, then the recovered or bonus token, then -1 padding.
+    num_accepted [B]: accepted draft tokens (0..k_i).
+    tokens [B, K+1]: the accepted draft tokens, then the recovered or bonus token (at column
+        num_accepted), then -1 padding.
     accept_probs [B, K]: the acceptance probability used at each draft position (beyond the first
-        rejection they were computed but not used).
-    bonus [B]: True where all K draft tokens were accepted and the last token is a bonus token.
+        rejection they were computed but not used); 0 at padded positions (j >= k_i).
+    bonus [B]: True where all k_i draft tokens were accepted and the last token is a bonus token.
+    num_drafts [B]: k_i, the number of real (non -1) draft tokens of each row.
     """
 
     num_accepted: Tensor
     tokens: Tensor
     accept_probs: Tensor
     bonus: Tensor
+    num_drafts: Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,36 +78,119 @@ def assemble_tokens(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor) ->
 
 
 # ---------------------------------------------------------------------------------------------
+# randomness
+
+
+def draft_counts(draft_tokens: Tensor) -> Tensor:
+    """k_i [B]: the number of real (non -1) draft tokens of each row of draft_tokens [B, K]."""
+    return (draft_tokens >= 0).sum(-1)
+
+
+def draw_uniforms(
+    draft_tokens: Tensor,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """The randomness of `verify`: uniforms [B, K+1] in float64 for draft_tokens [B, K].
+
+    One generator (or None, the global one): a single [B, K+1] draw. A sequence of B generators:
+    row i draws exactly k_i + 1 uniforms from its own generator (`torch.rand(k_i + 1, generator=g_i)`)
+    into uniforms[i, :k_i+1]; the columns after k_i are 0 and never read. So a row draws the same
+    numbers whether it is verified alone (B=1, K=k_i) or in any batch (docs/design.md, 'Token roles').
+    """
+    b, k = draft_tokens.shape
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand((b, k + 1), generator=generator, dtype=torch.float64, device=device)
+    if isinstance(generator, (str, bytes)) or not isinstance(generator, Sequence):
+        raise TypeError(
+            "generator must be a torch.Generator, a sequence of B torch.Generator or None, got "
+            f"{type(generator).__name__}"
+        )
+    if len(generator) != b:
+        raise ValueError(f"per-row generators: got {len(generator)} generators for a batch of B = {b} rows")
+    for i, g in enumerate(generator):
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"per-row generators: entry {i} is a {type(g).__name__}, not a torch.Generator")
+    uniforms = torch.zeros((b, k + 1), dtype=torch.float64, device=device)
+    for i, (g, k_i) in enumerate(zip(generator, draft_counts(draft_tokens).tolist())):
+        uniforms[i, : k_i + 1] = torch.rand(k_i + 1, generator=g, dtype=torch.float64, device=device)
+    return uniforms
+
+
+def blank_padding(p: Tensor, q: Tensor, x: Tensor, num_drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of p [B, K+1, V] and q [B, K, V] whose unused rows (p after position k_i, q from k_i on)
+    are uniform: padded rows may hold zeros or garbage (NaN) that the maths must never see."""
+    k1, v = p.shape[1], p.shape[2]
+    used_p = torch.arange(k1, device=p.device) <= num_drafts[:, None]  # [B, K+1]
+    return torch.where(used_p[..., None], p, 1.0 / v), torch.where((x >= 0)[..., None], q, 1.0 / v)
+
+
+# ---------------------------------------------------------------------------------------------
 # input validation
 
 
+def _check_kind(name: str, probs: Any) -> None:
+    if not isinstance(probs, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(probs).__name__}")
+    if probs.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} must be float32 or float64 probabilities, got {probs.dtype}")
+
+
 def check_block(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor) -> None:
-    """Validate the inputs of `verify`: p [B,K+1,V], q [B,K,V], x [B,K] with q(x) > 0."""
-    check_probs("target_probs", target_probs)
-    check_probs("draft_probs", draft_probs)
+    """Validate the inputs of `verify`: p [B,K+1,V], q [B,K,V], x [B,K] (K >= 0).
+
+    Row i may be ragged: k_i real draft tokens in [0, V), then only -1 (padding). Only the rows that
+    are used are checked and read: p[i, :k_i+1] and q[i, :k_i] must be distributions (padded rows may
+    hold zeros or garbage), and each real draft token must have q > 0 (it cannot have been drafted
+    otherwise). Raises ValueError on: -1 followed by a real token, a token < -1 or >= V, bad shapes.
+    """
+    _check_kind("target_probs", target_probs)
+    _check_kind("draft_probs", draft_probs)
+    if not isinstance(draft_tokens, Tensor):
+        raise ValueError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
     if target_probs.ndim != 3 or draft_probs.ndim != 3 or draft_tokens.ndim != 2:
         raise ValueError(
             "verify expects target_probs [B, K+1, V], draft_probs [B, K, V] and draft_tokens [B, K]; got "
             f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
         )
     b, k1, v = target_probs.shape
-    if draft_probs.shape != (b, k1 - 1, v) or draft_tokens.shape != (b, k1 - 1):
+    if k1 < 1 or v < 1 or draft_probs.shape != (b, k1 - 1, v) or draft_tokens.shape != (b, k1 - 1):
         raise ValueError(
-            "shape mismatch: target_probs [B, K+1, V] needs draft_probs [B, K, V] and draft_tokens [B, K]; got "
-            f"{tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, {tuple(draft_tokens.shape)}"
+            "shape mismatch: target_probs [B, K+1, V] needs draft_probs [B, K, V] and draft_tokens [B, K] "
+            f"(K >= 0, V >= 1); got {tuple(target_probs.shape)}, {tuple(draft_probs.shape)}, "
+            f"{tuple(draft_tokens.shape)}"
         )
-    if k1 < 2:
-        raise ValueError("verify needs at least one draft token (K >= 1)")
     if target_probs.dtype != draft_probs.dtype:
         raise ValueError(f"target_probs is {target_probs.dtype} but draft_probs is {draft_probs.dtype}")
     if draft_tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    if draft_tokens.numel() and (draft_tokens.min() < 0 or draft_tokens.max() >= v):
-        raise ValueError(
-            f"draft token outside the vocabulary: values must be in [0, {v}), got "
-            f"[{draft_tokens.min().item()}, {draft_tokens.max().item()}]"
-        )
-    drafted_q = draft_probs.gather(-1, draft_tokens.long()[..., None])
+    x = draft_tokens.long()
+    ragged = False
+    if x.numel():
+        low, high = x.min().item(), x.max().item()
+        if low < -1 or high >= v:
+            raise ValueError(
+                f"draft token outside the vocabulary: values must be in [0, {v}) (or -1 for padding after a "
+                f"row's last real draft), got [{low}, {high}]"
+            )
+        ragged = low == -1
+    if not ragged:  # the fast path: every position is used
+        check_probs("target_probs", target_probs)
+        check_probs("draft_probs", draft_probs)
+        drafted_q = draft_probs.gather(-1, x[..., None])
+    else:
+        real = x >= 0  # [B, K]
+        misplaced = real[:, 1:] & ~real[:, :-1]  # a real token right after a -1
+        if misplaced.any():
+            row, col = (int(i) for i in misplaced.nonzero()[0])
+            raise ValueError(
+                f"draft_tokens row {row}: -1 padding at position {col} is followed by a real draft token at "
+                f"position {col + 1}; -1 may only pad a row after its last real draft"
+            )
+        used = torch.arange(k1, device=x.device) <= real.sum(-1, keepdim=True)  # [B, K+1]: positions 0..k_i
+        check_probs("target_probs (positions 0..k_i)", target_probs[used])  # [N, V]
+        check_probs("draft_probs (positions < k_i)", draft_probs[real])  # [M, V]
+        drafted_q = draft_probs[real].gather(-1, x[real][:, None])  # [M, 1]
     if (drafted_q <= 0).any():
         raise ValueError("a draft token has zero probability under draft_probs: it cannot have been drafted")
 
@@ -207,11 +300,24 @@ class Rule:
         target_probs: Tensor,
         draft_probs: Tensor,
         draft_tokens: Tensor,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
     ) -> VerifyResult:
-        """Verify one block per row: p [B,K+1,V], q [B,K,V], x [B,K]. Randomness only from `generator`."""
+        """Verify one block per row: p [B,K+1,V], q [B,K,V], x [B,K]. Randomness only from `generator`.
+
+        generator: one torch.Generator (or None): one [B, K+1] draw of uniforms; or a sequence of B
+        generators, one per row: row i draws exactly k_i + 1 float64 uniforms from its own generator,
+        so its result equals verifying that row alone (B=1, K=k_i) with the same generator state.
+        Rows may be ragged (draft_tokens padded with -1 after k_i real drafts; k_i = 0 draws only the
+        bonus token) and K may be 0. See `verify_with_uniforms` for how the uniforms are used.
+        """
+        if not isinstance(generator, torch.Generator) and generator is not None:
+            check_block(target_probs, draft_probs, draft_tokens)  # k_i must be well defined to draw
+            uniforms = draw_uniforms(draft_tokens, generator, target_probs.device)
+            return self.verify_with_uniforms(target_probs, draft_probs, draft_tokens, uniforms,
+                                             validate=False)
         b, k = draft_tokens.shape if draft_tokens.ndim == 2 else (0, 0)
-        uniforms = torch.rand((b, k + 1), generator=generator, dtype=torch.float64, device=target_probs.device)
+        uniforms = torch.rand((b, k + 1), generator=generator, dtype=torch.float64,
+                              device=target_probs.device)
         return self.verify_with_uniforms(target_probs, draft_probs, draft_tokens, uniforms)
 
     def verify_with_uniforms(
@@ -220,24 +326,56 @@ class Rule:
     ) -> VerifyResult:
         """`verify` with its randomness given: uniforms [B, K+1] in [0, 1) (same noise, same output).
 
+        Row i (k_i real drafts, the rest -1): uniforms[i, :k_i] decide its drafts (draft j is accepted
+        iff uniforms[i, j] < accept), uniforms[i, k_i] draws its recovered or bonus token; columns after
+        k_i are ignored. Padded positions are never accepted, their draft_probs rows and the
+        target_probs rows after position k_i are never used (they may be zeros or garbage).
+
         validate=False skips the input checks, for callers that built the inputs themselves (the decode
         loop gets p and q from `verispec.sampling.process`)."""
         if validate:
             check_block(target_probs, draft_probs, draft_tokens)
+            b, k1 = target_probs.shape[0], target_probs.shape[1]
+            if not isinstance(uniforms, Tensor) or uniforms.shape != (b, k1):
+                shape = tuple(uniforms.shape) if isinstance(uniforms, Tensor) else type(uniforms).__name__
+                raise ValueError(f"uniforms must be a tensor of shape [B, K+1] = {(b, k1)}, got {shape}")
         return self._verify(target_probs, draft_probs, draft_tokens.long(), uniforms)
+
+    def _verify_bonus_only(self, p: Tensor, uniforms: Tensor) -> VerifyResult:
+        """K = 0: every row draws one bonus token from the bonus law of p[:, 0]."""
+        b = p.shape[0]
+        last = sample_from(self._bonus(p[:, 0]), uniforms[:, 0])  # [B]
+        zeros = torch.zeros(b, dtype=torch.int64, device=p.device)
+        return VerifyResult(num_accepted=zeros, tokens=last[:, None], accept_probs=p.new_zeros(b, 0),
+                            bonus=torch.ones(b, dtype=torch.bool, device=p.device), num_drafts=zeros.clone())
 
     def _verify(self, p: Tensor, q: Tensor, x: Tensor, uniforms: Tensor) -> VerifyResult:
         b, k = x.shape
-        accept_probs = self._accept_at(p[:, :k], q, x)  # [B, K]
-        accepted = uniforms[:, :k] < accept_probs.to(torch.float64)  # [B, K]
+        if k == 0:
+            return self._verify_bonus_only(p, uniforms)
+        num_drafts = draft_counts(x)  # [B]
+        ragged = bool((num_drafts < k).any())
+        if ragged:
+            real = x >= 0  # [B, K]
+            p, q = blank_padding(p, q, x, num_drafts)
+            x = x.clamp_min(0)  # padded positions read token 0 of a uniform row; their results are masked out
+            accept_probs = self._accept_at(p[:, :k], q, x).masked_fill(~real, 0)  # [B, K]
+        else:
+            accept_probs = self._accept_at(p[:, :k], q, x)  # [B, K]
+        accepted = uniforms[:, :k] < accept_probs.to(torch.float64)  # [B, K], never at a padded position
         num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
         rows = torch.arange(b, device=p.device)
         j = num_accepted.clamp(max=k - 1)  # position of the first rejection, where there is one
         recovered = self._residual_after(p[rows, j], q[rows, j], x[rows, j])  # [B, V]
-        bonus = num_accepted == k
-        law = torch.where(bonus[:, None], self._bonus(p[:, k]), recovered)  # [B, V]
-        tokens = assemble_tokens(x, num_accepted, sample_from(law, uniforms[:, k]))
-        return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_probs, bonus=bonus)
+        bonus = num_accepted == num_drafts
+        if ragged:
+            bonus_p, u_last = p[rows, num_drafts], uniforms[rows, num_drafts]  # [B, V], [B]
+        else:
+            bonus_p, u_last = p[:, k], uniforms[:, k]
+        law = torch.where(bonus[:, None], self._bonus(bonus_p), recovered)  # [B, V]
+        tokens = assemble_tokens(x, num_accepted, sample_from(law, u_last))
+        return VerifyResult(num_accepted=num_accepted, tokens=tokens, accept_probs=accept_probs, bonus=bonus,
+                            num_drafts=num_drafts)
 
     # -- description ----------------------------------------------------------------------------
     @classmethod
