@@ -261,6 +261,7 @@ def ragged_fit_pvalues(rule, seed: int = 0) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", BATCH_SPECS)
 def test_ragged_laws(spec):
     rule = parse(spec)
@@ -291,6 +292,7 @@ class WrongColumn(Lossless):
         return super()._verify(p, q, x, uniforms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [PaddingAccepted(), WrongColumn()])
 def test_power_broken_batching_fails(broken):
     pvalues = ragged_fit_pvalues(broken)
