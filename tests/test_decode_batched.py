@@ -45,9 +45,9 @@ def toy_pair(eos: int | None = EOS):
 
 
 def prompts(b: int, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths: 1 token up to ~40 (the long-prompt case has its own test)."""
+    """Mixed lengths, 1 to 12 tokens (prompts of ~1000 tokens have their own test)."""
     rng = np.random.default_rng(seed)
-    lengths = [1, 40, 3, 17, 1, 9, 25, 2][:b] if b <= 8 else rng.integers(1, 40, b).tolist()
+    lengths = [1, 12, 3, 7, 1, 9, 5, 2][:b]
     return [rng.integers(0, V - 1, n).tolist() for n in lengths]  # no EOS inside prompts
 
 
@@ -71,7 +71,10 @@ def assert_same(batched, single):
             assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), (key, x, y)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+QUICK = {"lossless", "greedy", "hsd", "speccascade:min_p=0.3", "budget:tv=0.05,ratio=2"}
+
+
+@pytest.mark.parametrize("spec", [s if s in QUICK else pytest.param(s, marks=pytest.mark.slow) for s in SPECS])
 def test_every_rule_batched_equals_batch1(spec):
     target, draft = toy_pair()
     rule = parse(spec)
