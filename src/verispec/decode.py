@@ -9,6 +9,10 @@ token. Both model sessions hold KV caches that follow the committed sequence by 
 Every emitted position is recorded with its exact shift statistics (`verispec.diagnostics.shift`):
 the rule's law of that token given its prefix is known in closed form, so the per-token
 log-likelihood ratio against the target is exact.
+
+Batched decoding (`BatchDecoder`, `speculative_decode_batch`, `autoregressive_decode_batch`) runs
+the same block for many rows at once over a `BatchSession`; each row draws from its own generator in
+the batch-1 order, so row i is token-identical to decoding prompt i alone with that generator.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 from verispec.diagnostics.shift import position_stats
-from verispec.models.base import LanguageModel
+from verispec.models.base import LanguageModel, batch_session
 from verispec.rules import Rule, parse
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
@@ -59,7 +63,7 @@ class Generation:
     target_calls: int
     draft_calls: int
     seconds: float
-    finish: str  # "eos" or "length"
+    finish: str  # "eos", "length", or "cancelled" (`BatchDecoder.cancel`)
     rule: str
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
@@ -288,3 +292,264 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
         draft_calls=0, seconds=seconds, finish=finish, rule="plain", probs=record.probs,
         target_seconds=target_seconds, diagnostics_seconds=record.seconds,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# batched decoding: many rows, each with its own length, generator and stopping point
+
+
+def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor, ks: list[int], uniforms: Tensor
+                 ) -> tuple[list[int], Tensor]:
+    """Verify ragged blocks: p [B, K+1, V], q [B, K, V], drafts [B, K] (-1 padded), uniforms [B, K+1].
+
+    Row i has ks[i] real drafts; uniforms[i, :ks[i]] decide them and uniforms[i, ks[i]] draws its
+    recovered/bonus token (a row with ks[i] = 0 samples the bonus law). Returns num_accepted (a list)
+    and tokens [B, K+1] (accepted drafts, then the recovered/bonus token, then -1).
+
+    Today: rows grouped by k, one `verify_with_uniforms` per group (row-wise maths, so each row gets
+    exactly its batch-1 result). The one place to swap for a single ragged verification call."""
+    b, k_max = drafts.shape
+    num_accepted = [0] * b
+    tokens = torch.full((b, k_max + 1), -1, dtype=torch.long)
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(ks):
+        groups.setdefault(k, []).append(i)
+    for k, members in groups.items():
+        idx = torch.tensor(members)
+        if k == 0:
+            tokens[idx, 0] = sample_from(rule.bonus_law(p[idx, 0]), uniforms[idx, 0])  # [G]
+            continue
+        # p and q come from `process` (validated logits, exact distributions): skip re-validation
+        result = rule.verify_with_uniforms(p[idx, : k + 1], q[idx, :k], drafts[idx, :k],
+                                           uniforms[idx, : k + 1], validate=False)
+        tokens[idx, : k + 1] = result.tokens
+        for j, n in zip(members, result.num_accepted.tolist()):
+            num_accepted[j] = n
+    return num_accepted, tokens
+
+
+def _pad_rows(flat: Tensor, lengths: list[int], width: int, fill: float | int = 0) -> Tensor:
+    """Ragged rows concatenated, flat [sum(lengths), ...] -> [B, width, ...] padded with `fill`."""
+    out = flat.new_full((len(lengths), width, *flat.shape[1:]), fill)
+    if flat.shape[0]:
+        counts = torch.tensor(lengths)
+        row_index = torch.repeat_interleave(torch.arange(len(lengths)), counts)  # [sum]
+        starts = torch.cumsum(counts, 0) - counts
+        pos_index = torch.arange(flat.shape[0]) - torch.repeat_interleave(starts, counts)  # [sum]
+        out[row_index, pos_index] = flat
+    return out
+
+
+@dataclass
+class _Row:
+    """The state of one row of a `BatchDecoder` (bookkeeping only)."""
+
+    prompt: Tensor  # [L0]
+    seq: Tensor  # [L], the committed sequence (prompt + emitted)
+    generator: torch.Generator | None
+    config: DecodeConfig
+    eos: int | None
+    record: _Recorder
+    start: float
+    blocks: list[Block] = field(default_factory=list)
+    new: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+
+
+class BatchDecoder:
+    """Continuous batching: rows join (`add`) and leave (finish, `cancel`) between blocks; `step` runs
+    one block for every active row.
+
+    Speculative (a drafter given) or plain (drafter None). One block for the active rows: the drafter
+    proposes k_i tokens per row (`propose_batch`), the target scores each row's k_i + 1 positions in
+    one `BatchSession.logits_for` call, the rule verifies all rows, and each row advances by its own
+    count. Each row draws its randomness from its own generator in exactly the order batch-1
+    `speculative_decode` / `autoregressive_decode` does, so a row's output does not depend on the
+    other rows (give every row its own generator: rows sharing one interleave their draws).
+
+    One rule and one sampling setting per decoder (they are applied to all rows in batched ops);
+    per row: k, max_new_tokens, stop_at_eos, diagnostics and keep_probs (`add(config=...)`).
+
+    A row's `Generation` is batch-1's: `seconds` is the wall time from its `add` to its finish;
+    `target_calls` / `draft_calls` count the (shared) passes the row took part in, and
+    `target_seconds` / `draft_seconds` the full time of those shared passes (attributed to every
+    row in them, so they add up to more than the wall time across rows).
+    """
+
+    def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str = "lossless",
+                 config: DecodeConfig | None = None):
+        self.config = config or DecodeConfig()
+        self.plain = drafter is None
+        self.rule = parse("lossless") if self.plain else (parse(rule) if isinstance(rule, str) else rule)
+        if drafter is not None and drafter.vocab_size != target.vocab_size:
+            raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
+                             f"({target.vocab_size})")
+        self.target, self.drafter = target, drafter
+        self._session = batch_session(target)
+        if drafter is not None:
+            drafter.start_batch()
+        self._rows: dict[int, _Row] = {}
+        self._next_id = 0
+
+    @property
+    def active(self) -> list[int]:
+        """Ids of the rows still decoding, in the order they joined."""
+        return list(self._rows)
+
+    def add(self, prompt_ids, generator: torch.Generator | None = None,
+            config: DecodeConfig | None = None) -> int:
+        """A new row (joins at the next `step`); returns its id. `config` overrides the decoder's
+        per-row settings; its sampling must be the decoder's."""
+        config = config or self.config
+        if config.sampling != self.config.sampling:
+            raise ValueError("every row of a BatchDecoder uses the decoder's sampling settings "
+                             f"({self.config.sampling}), got {config.sampling}")
+        prompt = _as_prompt(prompt_ids)[0]  # [L0]
+        _check_tokens(prompt, self.target.vocab_size)
+        row = self._next_id
+        self._next_id += 1
+        eos = self.target.eos_token_id if config.stop_at_eos else None
+        self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, eos=eos,
+                               record=_Recorder(self.rule, config), start=time.perf_counter())
+        return row
+
+    def cancel(self, row: int) -> Generation:
+        """Remove a row; returns what it generated so far (finish "cancelled")."""
+        if row not in self._rows:
+            raise ValueError(f"no active row {row}")
+        return self._finish(row, "cancelled")
+
+    def step(self) -> list[tuple[int, Generation]]:
+        """One block for every active row; returns the rows that finished in it, with their output."""
+        if not self._rows:
+            return []
+        ids = list(self._rows)
+        rows = [self._rows[i] for i in ids]
+        ends = self._plain_step(ids, rows) if self.plain else self._speculative_step(ids, rows)
+        return [(row, self._finish(row, how)) for row, how in ends]
+
+    # -- one block -------------------------------------------------------------------------------
+    def _speculative_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
+        sampling = self.config.sampling
+        ks = [min(r.config.k, r.config.max_new_tokens - r.new - 1) for r in rows]  # a block emits <= k + 1
+        t0 = time.perf_counter()
+        calls0 = _calls(self.drafter)
+        generators = [r.generator for r in rows]
+        proposals = self.drafter.propose_batch(ids, [r.seq for r in rows], ks, sampling, generators)
+        drafted = _calls(self.drafter) > calls0  # a model-free drafter makes no passes
+        t1 = time.perf_counter()
+        kks = [int(d.shape[0]) for d, _ in proposals]  # k_i' <= k_i
+        logits = self._session.logits_for(ids, [torch.cat([r.seq, d]) for r, (d, _) in zip(rows, proposals)],
+                                          [kk + 1 for kk in kks])  # per row [kk+1, V], one target pass
+        t2 = time.perf_counter()
+        p_flat = process(torch.cat(logits), sampling)  # [sum(kk+1), V]
+        k_max = max(kks)
+        lengths = [kk + 1 for kk in kks]
+        p = _pad_rows(p_flat, lengths, k_max + 1)  # [B, K+1, V]
+        q = _pad_rows(torch.cat([qi for _, qi in proposals]).to(p_flat.dtype), kks, k_max)  # [B, K, V]
+        drafts = _pad_rows(torch.cat([d for d, _ in proposals]).long(), kks, k_max, -1)  # [B, K]
+        # each row's verification draws, from its own generator, shaped as batch-1 draws them
+        draws = [torch.rand((1, kk + 1), generator=g, dtype=torch.float64)[0] if kk
+                 else torch.rand(1, generator=g, dtype=torch.float64) for g, kk in zip(generators, kks)]
+        uniforms = _pad_rows(torch.cat(draws), lengths, k_max + 1)  # [B, K+1]
+        num_accepted, tokens = _verify_rows(self.rule, p, q, drafts, kks, uniforms)
+        token_lists = tokens.tolist()
+        p_rows = p_flat.split(lengths)  # per row [kk+1, V]
+        ends = []
+        for i, (row_id, r) in enumerate(zip(ids, rows)):
+            kk, n = kks[i], num_accepted[i]
+            out = token_lists[i][: n + 1]
+            remaining = r.config.max_new_tokens - r.new
+            keep = min(len(out), remaining)
+            finish = None
+            if r.eos is not None and r.eos in out[:keep]:
+                keep = out.index(r.eos) + 1
+                finish = "eos"
+            roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
+            kept = tokens[i, :keep]
+            q_kept = proposals[i][1][: min(kk, keep)]
+            r.record.add(logits[i][:keep], p_rows[i][:keep], q_kept, kept, roles[:keep])
+            r.blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
+            r.seq = torch.cat([r.seq, kept])
+            r.new += keep
+            r.target_calls += 1
+            r.draft_calls += kk if drafted else 0
+            r.target_seconds += t2 - t1
+            r.draft_seconds += t1 - t0
+            if finish is None and r.new >= r.config.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                ends.append((row_id, finish))
+        return ends
+
+    def _plain_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
+        t0 = time.perf_counter()
+        logits = torch.cat(self._session.logits_for(ids, [r.seq for r in rows], [1] * len(rows)))  # [B, V]
+        seconds = time.perf_counter() - t0
+        p = process(logits, self.config.sampling)  # [B, V]
+        uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])  # [B]
+        tokens = sample_from(p, uniforms)  # [B]
+        empty_q = p.new_zeros(0, p.shape[1])
+        ends = []
+        for i, (row_id, r, tok) in enumerate(zip(ids, rows, tokens.tolist())):
+            r.record.add(logits[i : i + 1], p[i : i + 1], empty_q, tokens[i : i + 1], ["plain"])
+            r.seq = torch.cat([r.seq, tokens[i : i + 1]])
+            r.new += 1
+            r.blocks.append(Block(0, 0, 1))
+            r.target_calls += 1
+            r.target_seconds += seconds
+            if r.eos is not None and tok == r.eos:
+                ends.append((row_id, "eos"))
+            elif r.new >= r.config.max_new_tokens:
+                ends.append((row_id, "length"))
+        return ends
+
+    def _finish(self, row: int, finish: str) -> Generation:
+        r = self._rows.pop(row)
+        self._session.release(row)
+        if self.drafter is not None:
+            self.drafter.release(row)
+        r.record.flush()
+        n0 = r.prompt.shape[0]
+        return Generation(
+            prompt_ids=tuple(r.prompt.tolist()), token_ids=tuple(r.seq[n0:].tolist()), blocks=tuple(r.blocks),
+            steps=r.record.steps, target_calls=r.target_calls, draft_calls=r.draft_calls,
+            seconds=time.perf_counter() - r.start, finish=finish,
+            rule="plain" if self.plain else self.rule.spec,
+            probs=r.record.probs, target_seconds=r.target_seconds, draft_seconds=r.draft_seconds,
+            diagnostics_seconds=r.record.seconds,
+        )
+
+
+def _run_batch(decoder: BatchDecoder, prompts, generators) -> list[Generation]:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
+    if len(generators) != len(prompts):
+        raise ValueError(f"need one generator per prompt: {len(prompts)} prompts, "
+                         f"{len(generators)} generators")
+    ids = [decoder.add(prompt, gen) for prompt, gen in zip(prompts, generators)]
+    done: dict[int, Generation] = {}
+    while decoder.active:
+        done.update(decoder.step())
+    return [done[i] for i in ids]
+
+
+def speculative_decode_batch(target: LanguageModel, drafter, prompts: list[list[int]], rule: Rule | str,
+                             config: DecodeConfig, generators: list[torch.Generator]) -> list[Generation]:
+    """Speculative decoding of many prompts at once; row i equals `speculative_decode(target, drafter,
+    prompts[i], rule, config, generators[i])` (same draws from its own generator, in the same order)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
+    return _run_batch(BatchDecoder(target, drafter, rule, config), prompts, generators)
+
+
+def autoregressive_decode_batch(target: LanguageModel, prompts: list[list[int]], config: DecodeConfig,
+                                generators: list[torch.Generator]) -> list[Generation]:
+    """Plain decoding of many prompts at once; row i equals `autoregressive_decode(target, prompts[i],
+    config, generators[i])`."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
+    return _run_batch(BatchDecoder(target, None, config=config), prompts, generators)
