@@ -298,34 +298,14 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
 # batched decoding: many rows, each with its own length, generator and stopping point
 
 
-def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor, ks: list[int], uniforms: Tensor
-                 ) -> tuple[list[int], Tensor]:
-    """Verify ragged blocks: p [B, K+1, V], q [B, K, V], drafts [B, K] (-1 padded), uniforms [B, K+1].
-
-    Row i has ks[i] real drafts; uniforms[i, :ks[i]] decide them and uniforms[i, ks[i]] draws its
-    recovered/bonus token (a row with ks[i] = 0 samples the bonus law). Returns num_accepted (a list)
-    and tokens [B, K+1] (accepted drafts, then the recovered/bonus token, then -1).
-
-    Today: rows grouped by k, one `verify_with_uniforms` per group (row-wise maths, so each row gets
-    exactly its batch-1 result). The one place to swap for a single ragged verification call."""
-    b, k_max = drafts.shape
-    num_accepted = [0] * b
-    tokens = torch.full((b, k_max + 1), -1, dtype=torch.long)
-    groups: dict[int, list[int]] = {}
-    for i, k in enumerate(ks):
-        groups.setdefault(k, []).append(i)
-    for k, members in groups.items():
-        idx = torch.tensor(members)
-        if k == 0:
-            tokens[idx, 0] = sample_from(rule.bonus_law(p[idx, 0]), uniforms[idx, 0])  # [G]
-            continue
-        # p and q come from `process` (validated logits, exact distributions): skip re-validation
-        result = rule.verify_with_uniforms(p[idx, : k + 1], q[idx, :k], drafts[idx, :k],
-                                           uniforms[idx, : k + 1], validate=False)
-        tokens[idx, : k + 1] = result.tokens
-        for j, n in zip(members, result.num_accepted.tolist()):
-            num_accepted[j] = n
-    return num_accepted, tokens
+def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor, uniforms: Tensor) -> tuple[list[int], Tensor]:
+    """Verify ragged blocks in one call: p [B, K+1, V], q [B, K, V], drafts [B, K] (-1 padded after a
+    row's real drafts), uniforms [B, K+1]. Row i with k_i real drafts uses uniforms[i, :k_i] for them
+    and uniforms[i, k_i] for its recovered/bonus token (docs/design.md, 'Token roles'), so each row
+    gets exactly its batch-1 result. Returns num_accepted (a list) and tokens [B, K+1]."""
+    # p and q come from `process` (validated logits, exact distributions): skip re-validation
+    result = rule.verify_with_uniforms(p, q, drafts, uniforms, validate=False)
+    return result.num_accepted.tolist(), result.tokens
 
 
 def _pad_rows(flat: Tensor, lengths: list[int], width: int, fill: float | int = 0) -> Tensor:
@@ -455,7 +435,7 @@ class BatchDecoder:
         draws = [torch.rand((1, kk + 1), generator=g, dtype=torch.float64)[0] if kk
                  else torch.rand(1, generator=g, dtype=torch.float64) for g, kk in zip(generators, kks)]
         uniforms = _pad_rows(torch.cat(draws), lengths, k_max + 1)  # [B, K+1]
-        num_accepted, tokens = _verify_rows(self.rule, p, q, drafts, kks, uniforms)
+        num_accepted, tokens = _verify_rows(self.rule, p, q, drafts, uniforms)
         token_lists = tokens.tolist()
         p_rows = p_flat.split(lengths)  # per row [kk+1, V]
         ends = []
