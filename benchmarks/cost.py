@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
@@ -38,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     target = load_model(args.target)
     drafter = load_drafter(args.draft, target)
-    text = "\n".join(["KING.\nWhat says the queen? Speak, and tell me true,", "QUEEN.\nMy lord, I know not."] * 400)
+    text = "\n".join(["KING.\nWhat says the queen? Speak, and tell me true,",
+                      "QUEEN.\nMy lord, I know not."] * 400)
     ids = target.encode(text)
 
     def cfg(k: int, n: int) -> DecodeConfig:
@@ -66,18 +65,21 @@ def main() -> None:
         p_ms, p_call, _ = marginal_ms(plain(prompt))
         s_ms, s_call, s_tpc = marginal_ms(spec(prompt, 4))
         by_length.append({"context": length, "plain_ms_per_token": p_ms, "target_step_ms": p_call,
-                          "sd_ms_per_token": s_ms, "verify_pass_ms": s_call, "sd_tokens_per_target_call": s_tpc})
+                          "sd_ms_per_token": s_ms, "verify_pass_ms": s_call,
+                          "sd_tokens_per_target_call": s_tpc})
     by_k = []
     prompt = ids[:256]
     for k in args.ks:
         ms, call, tpc = marginal_ms(spec(prompt, k))
         by_k.append({"k": k, "sd_ms_per_token": ms, "verify_pass_ms": call, "tokens_per_target_call": tpc})
     print(environment())
-    print(f"marginal ms per generated token (greedy; tokens 9..{8 + args.new_tokens}; median of {args.reps}):")
+    print(f"marginal ms per generated token (greedy; tokens 9..{8 + args.new_tokens}; "
+          f"median of {args.reps}):")
     base = by_length[0]
     print_table(["context", "plain ms/token", "x at 128", "target step ms", "SD k=4 ms/token", "x at 128",
                  "verify pass ms", "tokens/pass"],
-                [[str(r["context"]), f"{r['plain_ms_per_token']:.2f}", f"{r['plain_ms_per_token'] / base['plain_ms_per_token']:.2f}",
+                [[str(r["context"]), f"{r['plain_ms_per_token']:.2f}",
+                  f"{r['plain_ms_per_token'] / base['plain_ms_per_token']:.2f}",
                   f"{r['target_step_ms']:.2f}", f"{r['sd_ms_per_token']:.2f}",
                   f"{r['sd_ms_per_token'] / base['sd_ms_per_token']:.2f}", f"{r['verify_pass_ms']:.2f}",
                   f"{r['sd_tokens_per_target_call']:.2f}"] for r in by_length])

@@ -11,8 +11,6 @@ timed interleaved in one process (median of reps).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
@@ -21,8 +19,8 @@ from common import environment, print_table, spread, timed, write_json
 from verispec.rules import parse
 
 RULES = ["lossless", "hsd", "lenience:l=0.5", "cos:w=0.5", "budget:tv=0.05,ratio=2", "speccascade:min_p=0.1",
-         "typical:eps=0.09,alpha=0.3", "topk:k=8", "topp:p=0.9", "relaxed:n=10,delta=0.6", "fuzzy:threshold=0.1",
-         "sglang:single=0.9,acc=0.5", "honest:speccascade:min_p=0.1"]
+         "typical:eps=0.09,alpha=0.3", "topk:k=8", "topp:p=0.9", "relaxed:n=10,delta=0.6",
+         "fuzzy:threshold=0.1", "sglang:single=0.9,acc=0.5", "honest:speccascade:min_p=0.1"]
 
 
 def main() -> None:
@@ -45,7 +43,8 @@ def main() -> None:
         if not rule.block_level:
             cases[f"{spec} | emitted (loop)"] = lambda r=rule: r.emitted_law(p_k, q)
             cases[f"{spec} | emitted (API)"] = lambda r=rule: r.emitted(p_k, q)
-        cases[f"{spec} | verify (loop)"] = lambda r=rule: r.verify_with_uniforms(p, q, x, uniforms, validate=False)
+        cases[f"{spec} | verify (loop)"] = lambda r=rule: r.verify_with_uniforms(
+            p, q, x, uniforms, validate=False)
         cases[f"{spec} | verify (API)"] = lambda r=rule: r.verify_with_uniforms(p, q, x, uniforms)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for fn in cases.values():
@@ -54,11 +53,13 @@ def main() -> None:
         for name, fn in cases.items():
             times[name].append(timed(fn)[0])
     base = sorted(times["baseline minimum(p,q).sum(-1)"])[args.reps // 2]
-    rows, out = [], {"environment": environment(), "shape": args.shape, "baseline_ms": base * 1e3, "cases": {}}
+    rows, out = [], {"environment": environment(), "shape": args.shape, "baseline_ms": base * 1e3,
+                     "cases": {}}
     for name, ts in times.items():
         s = spread([t / base for t in ts])
         out["cases"][name] = {"ms": spread([t * 1e3 for t in ts]), "ratio": s}
-        rows.append([name, f"{s['median'] * base * 1e3:.1f}", f"{s['median']:.2f}", "yes" if s["median"] <= 3 else "NO"])
+        rows.append([name, f"{s['median'] * base * 1e3:.1f}", f"{s['median']:.2f}",
+                     "yes" if s["median"] <= 3 else "NO"])
     print(f"shape [B, K+1, V] = {args.shape}; {environment()}")
     print_table(["case", "median ms", "x baseline", "<= 3x"], rows)
     write_json(args.json, out)

@@ -13,8 +13,6 @@ request that quotes the code to edit, where prompt lookup has something to copy.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
@@ -35,7 +33,8 @@ CODE = '''def moving_average(values, window):
     return result
 '''
 PROMPTS = [
-    f"Rename the variable `chunk` to `span` in this function and return the whole function:\n\n```python\n{CODE}```",
+    f"Rename the variable `chunk` to `span` in this function and return the whole function:"
+    f"\n\n```python\n{CODE}```",
     f"Add type hints to this function and return the whole function:\n\n```python\n{CODE}```",
 ]
 
@@ -52,8 +51,8 @@ def main() -> None:
     drafters = {"ngram:n=3": load_drafter("ngram:n=3", target)}
     for n in args.self_layers:
         drafters[f"self:layers={n}"] = load_drafter(f"self:layers={n}", target)
-    cfg = DecodeConfig(k=args.k, max_new_tokens=args.tokens, sampling=SamplingConfig(temperature=0), stop_at_eos=False,
-                       diagnostics=False)
+    cfg = DecodeConfig(k=args.k, max_new_tokens=args.tokens, sampling=SamplingConfig(temperature=0),
+                       stop_at_eos=False, diagnostics=False)
     tps: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     per_call: dict[str, list[float]] = {}
@@ -62,19 +61,21 @@ def main() -> None:
             prompt = encode_prompt(target, text)
             row = {"plain": autoregressive_decode(target, prompt, cfg).tokens_per_second}
             for name, drafter in drafters.items():
-                gen = speculative_decode(target, drafter, prompt, "lossless", cfg, torch.Generator().manual_seed(rnd))
+                gen = speculative_decode(target, drafter, prompt, "lossless", cfg,
+                                         torch.Generator().manual_seed(rnd))
                 row[f"sd {name}"] = gen.tokens_per_second
                 per_call.setdefault(f"sd {name}", []).append(gen.block_efficiency)
             row["hf-plain"] = hf_generate(target.model, prompt, args.tokens, 0.0)
-            row["hf-prompt-lookup"] = hf_generate(target.model, prompt, args.tokens, 0.0, prompt_lookup=args.k)
+            row["hf-prompt-lookup"] = hf_generate(target.model, prompt, args.tokens, 0.0,
+                                                  prompt_lookup=args.k)
             for name, value in row.items():
                 tps.setdefault(name, []).append(value)
             for name in drafters:
                 for base in ("plain", "hf-plain", "hf-prompt-lookup"):
                     ratios.setdefault(f"sd {name} / {base}", []).append(row[f"sd {name}"] / row[base])
             ratios.setdefault("plain / hf-plain", []).append(row["plain"] / row["hf-plain"])
-    print(f"{environment()}\nSmolLM2-135M-Instruct (GGUF Q4_1 dequantised to fp32, backend {target.backend}), "
-          f"greedy, {args.tokens} new tokens, k = {args.k}")
+    print(f"{environment()}\nSmolLM2-135M-Instruct (GGUF Q4_1 dequantised to fp32, "
+          f"backend {target.backend}), greedy, {args.tokens} new tokens, k = {args.k}")
     print_table(["method", "tokens/s median [min, max]", "tokens / target call"],
                 [[n, fmt_spread(spread(v), 1), fmt_spread(spread(per_call[n])) if n in per_call else "-"]
                  for n, v in tps.items()])

@@ -16,17 +16,16 @@ The cost model from the same runs (the decode loop times its own model calls): t
 decoding's target time per call), c = drafting time per draft token / t (draft forward, processing
 and sampling), v = target verification pass / t, and the speedup they predict,
 (1 - a^(k+1)) / ((1 - a)(k c + v)), with a solved from the measured tokens per block; the gap to the
-realised speedup is the loop's own work (rule maths, bookkeeping). The diagnostics overhead from the time the loop
-spends on diagnostics, as a share of the rest of the decode time. And lossless SD for every k in --ks.
+realised speedup is the loop's own work (rule maths, bookkeeping). The diagnostics overhead from the
+time the loop spends on diagnostics, as a share of the rest of the decode time. And lossless SD for
+every k in --ks.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -51,7 +50,8 @@ def hf_generate(model, prompt: list[int], n: int, temperature: float, assistant=
         assistant.generation_config.num_assistant_tokens = k
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.generation_config.assistant_confidence_threshold = 0.0
-        kwargs.update(assistant_model=assistant, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        kwargs.update(assistant_model=assistant, num_assistant_tokens=k,
+                      num_assistant_tokens_schedule="constant")
     if prompt_lookup is not None:
         kwargs.update(prompt_lookup_num_tokens=prompt_lookup)
     with torch.inference_mode():
@@ -144,13 +144,15 @@ def main() -> None:
             name = f"sd k={kk}"
             runs = gens[name]
             tau = sum(g.num_tokens for g in runs) / sum(g.target_calls for g in runs)
-            c = sum(g.draft_seconds for g in runs) / max(1, sum(sum(b.proposed for b in g.blocks) for g in runs)) / t_step
+            c = (sum(g.draft_seconds for g in runs)
+                 / max(1, sum(sum(b.proposed for b in g.blocks) for g in runs)) / t_step)
             v = sum(g.target_seconds for g in runs) / sum(g.target_calls for g in runs) / t_step
             pred = tau / (kk * c + v)
             real = statistics.median(ratios[f"{name} / plain"])
             loop = 1 - sum(g.target_seconds + g.draft_seconds for g in runs) / sum(g.seconds for g in runs)
-            predicted[kk] = {"tokens_per_block": tau, "a": solve_a(tau, kk), "c": c, "v": v, "predicted": pred,
-                             "realised": real, "realised_over_predicted": real / pred, "loop_share": loop}
+            predicted[kk] = {"tokens_per_block": tau, "a": solve_a(tau, kk), "c": c, "v": v,
+                             "predicted": pred, "realised": real, "realised_over_predicted": real / pred,
+                             "loop_share": loop}
         diag = gens["sd+diag"]
         res["diagnostics_overhead"] = sum(g.diagnostics_seconds for g in diag) / sum(
             g.seconds - g.diagnostics_seconds for g in diag)
@@ -159,16 +161,19 @@ def main() -> None:
         results["by_temperature"][str(temperature)] = res
         print(f"\n== temperature {temperature:g} ==")
         print_table(["method", "tokens/s median [min, max]", "tokens / target call"],
-                    [[n, fmt_spread(s, 1), f"{statistics.median(tokens_per_call[n]):.2f}" if n in tokens_per_call else "-"]
+                    [[n, fmt_spread(s, 1),
+                      f"{statistics.median(tokens_per_call[n]):.2f}" if n in tokens_per_call else "-"]
                      for n, s in res["tokens_per_second"].items()])
         print()
         print_table(["ratio", "median [min, max]"], [[n, fmt_spread(s)] for n, s in res["ratios"].items()])
         print()
         print(f"target step t = {t_step * 1e3:.2f} ms (plain decoding); diagnostics cost "
               f"{100 * res['diagnostics_overhead']:.1f}% of the rest of the decode time (target: <= 5%)")
-        print_table(["k", "tokens/block", "a", "c", "v", "predicted", "realised", "realised/predicted", "loop share"],
-                    [[str(kk), f"{d['tokens_per_block']:.2f}", f"{d['a']:.3f}", f"{d['c']:.3f}", f"{d['v']:.2f}",
-                      f"{d['predicted']:.2f}", f"{d['realised']:.2f}", f"{d['realised_over_predicted']:.2f}",
+        print_table(["k", "tokens/block", "a", "c", "v", "predicted", "realised", "realised/predicted",
+                     "loop share"],
+                    [[str(kk), f"{d['tokens_per_block']:.2f}", f"{d['a']:.3f}", f"{d['c']:.3f}",
+                      f"{d['v']:.2f}", f"{d['predicted']:.2f}", f"{d['realised']:.2f}",
+                      f"{d['realised_over_predicted']:.2f}",
                       f"{100 * d['loop_share']:.0f}%"] for kk, d in predicted.items()])
     write_json(args.json, results)
     print(f"\nraw figures: {args.json}")

@@ -18,8 +18,9 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parents[1] / "src" / "verispec" / "bench" / "data"
 
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
-    ("Japan", "Tokyo"), ("China", "Beijing"), ("Russia", "Moscow"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"), ("Japan", "Tokyo"), ("China", "Beijing"), ("Russia", "Moscow"),
+    ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
     ("Greece", "Athens"), ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Finland", "Helsinki"),
     ("Denmark", "Copenhagen"), ("Poland", "Warsaw"), ("Austria", "Vienna"), ("Hungary", "Budapest"),
     ("Ireland", "Dublin"), ("United Kingdom", "London"), ("Canada", "Ottawa"), ("Mexico", "Mexico City"),
@@ -27,7 +28,8 @@ CAPITALS = [
     ("India", "New Delhi"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("South Korea", "Seoul"),
     ("Indonesia", "Jakarta"), ("Philippines", "Manila"), ("Iran", "Tehran"), ("Iraq", "Baghdad"),
     ("Saudi Arabia", "Riyadh"), ("Turkey", "Ankara"), ("Ukraine", "Kyiv"), ("Belgium", "Brussels"),
-    ("Netherlands", "Amsterdam"), ("Switzerland", "Bern"), ("Czech Republic", "Prague"), ("Romania", "Bucharest"),
+    ("Netherlands", "Amsterdam"), ("Switzerland", "Bern"), ("Czech Republic", "Prague"),
+    ("Romania", "Bucharest"),
     ("Bulgaria", "Sofia"), ("Serbia", "Belgrade"), ("Croatia", "Zagreb"), ("Cuba", "Havana"),
     ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Brazil", "Brasilia"), ("Nigeria", "Abuja"),
     ("Ethiopia", "Addis Ababa"), ("Morocco", "Rabat"), ("Afghanistan", "Kabul"), ("Pakistan", "Islamabad"),
@@ -51,9 +53,11 @@ def arithmetic() -> list[dict]:
     items = []
     for i in range(60):
         op = ["+", "-", "*"][i % 3]
-        a, b = (rng.randint(10, 99), rng.randint(10, 99)) if op != "*" else (rng.randint(2, 12), rng.randint(2, 12))
+        a, b = ((rng.randint(10, 99), rng.randint(10, 99)) if op != "*"
+                else (rng.randint(2, 12), rng.randint(2, 12)))
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        items.append({"id": f"arith-{i:02d}", "prompt": f"What is {a} {op} {b}? Answer with a number.", "answer": value})
+        items.append({"id": f"arith-{i:02d}", "prompt": f"What is {a} {op} {b}? Answer with a number.",
+                      "answer": value})
     return items
 
 
@@ -66,8 +70,8 @@ def shakespeare(n: int = 40) -> list[dict]:
         text = (texts / play).read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
         blocks = [s.strip() for s in re.split(r"\n\s*\n", text)]
         speaker = re.compile(r"^[A-Z][A-Za-z' ]+\.$")  # a speech opens with its speaker's cue, e.g. "BANQUO."
-        speeches = [s for s in blocks if s.count("\n") >= 2 and len(s) > 120 and speaker.match(s.split("\n")[0])
-                    and not speaker.match(s.split("\n")[1])]
+        speeches = [s for s in blocks if s.count("\n") >= 2 and len(s) > 120
+                    and speaker.match(s.split("\n")[0]) and not speaker.match(s.split("\n")[1])]
         step = len(speeches) // (n // 2)
         for j in range(n // 2):
             speech = speeches[j * step]
@@ -79,7 +83,8 @@ def shakespeare(n: int = 40) -> list[dict]:
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("capitals", capitals()), ("arithmetic", arithmetic()), ("shakespeare", shakespeare())):
+    for name, rows in (("capitals", capitals()), ("arithmetic", arithmetic()),
+                       ("shakespeare", shakespeare())):
         with open(OUT / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

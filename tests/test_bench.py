@@ -38,6 +38,7 @@ def pair():
 
 @pytest.mark.parametrize("spec", ["lenience:l=0.5", "speccascade:min_p=0.2", "cos:w=0.5", "budget:tv=0.05",
                                   "sglang:single=0.5,acc=0.5", "lossless", "hsd"])
+@pytest.mark.slow
 def test_step_metrics_equal_offline_recomputation(pair, spec):
     target, drafter = pair
     rule = parse(spec)
@@ -82,6 +83,7 @@ def comparable(rows: list[dict]) -> dict:
     return {r["unit"]: {k: v for k, v in r.items() if k not in TIMING} for r in rows}
 
 
+@pytest.mark.slow
 def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
     full = tmp_path / "full"
     done = subprocess.run(bench_cmd(full), capture_output=True, text=True, timeout=600)
@@ -133,6 +135,7 @@ def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
         ResultsFile(path)
 
 
+@pytest.mark.slow
 def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
     from verispec.evaluation.sweep import SweepSpec, run_sweep
 
@@ -157,6 +160,7 @@ def console_messages(html_path: Path, tmp_path: Path) -> tuple[str, list[str]]:
     return out.stdout, [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
 
 
+@pytest.mark.slow
 def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
     rows = []
     for config, rule, fam in (("plain T=1", "plain", "plain"), ("lossless k=4 T=1", "lossless", "lossless"),

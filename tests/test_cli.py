@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_rules_lists_every_rule():

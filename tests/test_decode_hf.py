@@ -18,6 +18,8 @@ from verispec.models import load_drafter, load_model
 from verispec.rules import names, parse
 from verispec.sampling import SamplingConfig, process
 
+pytestmark = pytest.mark.slow  # loads the default pair; CLI tests start subprocesses
+
 TARGET = os.environ.get("VERISPEC_TEST_TARGET", "default")
 DRAFT = os.environ.get("VERISPEC_TEST_DRAFT", "default-draft")
 PROMPTS = ["To be, or not to be", "KING.\nWhat says the queen?", "Enter HAMLET"]

@@ -62,19 +62,22 @@ def as_vector(law: dict, length: int) -> np.ndarray:
     return vec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,k,length", CASES)
 def test_decode_loop_matches_exact_law(spec, k, length):
     target, draft = toy_pair()
     prompt = [1]
     rule = parse(spec)
-    law = as_vector(stream_law(rule, law_fn(target, prompt), law_fn(draft, prompt), V, k, length, shrink_k=True), length)
+    law = as_vector(stream_law(rule, law_fn(target, prompt), law_fn(draft, prompt), V, k, length,
+                               shrink_k=True), length)
     truth = as_vector(joint_law(law_fn(target, prompt), V, length), length)
     if rule.lossless:
         np.testing.assert_allclose(law, truth, rtol=0, atol=1e-12)
     gen = torch.Generator().manual_seed(123)
     config = DecodeConfig(k=k, max_new_tokens=length, diagnostics=False)
     drafter = ModelDrafter(draft)
-    counts = sample_counts(lambda: speculative_decode(target, drafter, prompt, rule, config, gen).token_ids, length)
+    counts = sample_counts(lambda: speculative_decode(target, drafter, prompt, rule, config, gen).token_ids,
+                           length)
     assert chisquare_pvalue(counts, law) > ALPHA
     shift = np.abs(law - truth).sum() / 2
     if shift > 0.05:  # power: a shift this large must be visible against the target law
@@ -82,6 +85,7 @@ def test_decode_loop_matches_exact_law(spec, k, length):
     assert rule.lossless or spec == "topk:k=1" or shift > 0.05, shift  # the lossy cases do exercise power
 
 
+@pytest.mark.slow
 def test_plain_decoding_matches_target_law():
     target, _ = toy_pair()
     gen = torch.Generator().manual_seed(7)
@@ -90,13 +94,15 @@ def test_plain_decoding_matches_target_law():
     assert chisquare_pvalue(counts, as_vector(joint_law(law_fn(target, [0]), V, 2), 2)) > 1e-4
 
 
+@pytest.mark.slow
 def test_ngram_drafter_is_exact_under_lossless():
     """A deterministic drafter (one-hot q) is still lossless: first 2 tokens follow the target."""
     target, _ = toy_pair()
     gen = torch.Generator().manual_seed(9)
     config = DecodeConfig(k=2, max_new_tokens=2, diagnostics=False)
     prompt = [0, 1, 2, 0, 1]
-    counts = sample_counts(lambda: speculative_decode(target, NGramDrafter(2, V), prompt, "lossless", config, gen).token_ids, 2)
+    counts = sample_counts(
+        lambda: speculative_decode(target, NGramDrafter(2, V), prompt, "lossless", config, gen).token_ids, 2)
     assert chisquare_pvalue(counts, as_vector(joint_law(law_fn(target, prompt), V, 2), 2)) > 1e-4
 
 
@@ -105,7 +111,8 @@ def test_eos_and_max_tokens():
     target.eos_token_id = 2
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
-        out = speculative_decode(target, ModelDrafter(draft), [1], "lossless", DecodeConfig(k=3, max_new_tokens=6), gen)
+        out = speculative_decode(target, ModelDrafter(draft), [1], "lossless",
+                                 DecodeConfig(k=3, max_new_tokens=6), gen)
         ids = list(out.token_ids)
         assert len(ids) <= 6
         if 2 in ids:

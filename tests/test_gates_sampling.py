@@ -45,9 +45,9 @@ def brute(p: np.ndarray, kind: str, *args) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "kind,args",
-    [("top_k", (1,)), ("top_k", (3,)), ("top_k", (9,)), ("top_p", (0.5,)), ("top_p", (0.9,)), ("top_p", (1.0,)),
-     ("min_p", (0.1,)), ("min_p", (0.6,)), ("eta", (0.09, 0.3)), ("eta", (0.3, math.sqrt(0.3))),
-     ("relaxed", (3, 0.2)), ("relaxed", (5, 0.8))],
+    [("top_k", (1,)), ("top_k", (3,)), ("top_k", (9,)), ("top_p", (0.5,)), ("top_p", (0.9,)),
+     ("top_p", (1.0,)), ("min_p", (0.1,)), ("min_p", (0.6,)), ("eta", (0.09, 0.3)),
+     ("eta", (0.3, math.sqrt(0.3))), ("relaxed", (3, 0.2)), ("relaxed", (5, 0.8))],
 )
 def test_gates_match_brute_force(kind, args):
     fn = {"top_k": gates.top_k_mask, "top_p": gates.top_p_mask, "min_p": gates.min_p_mask,
@@ -76,22 +76,23 @@ def test_processors_match_transformers_warpers():
         (SamplingConfig(min_p=0.1), [g.MinPLogitsWarper(0.1)]),
         (SamplingConfig(eta=0.05), [g.EtaLogitsWarper(0.05)]),
         (SamplingConfig(temperature=1.3, top_k=20, top_p=0.9, min_p=0.05),
-         [g.TemperatureLogitsWarper(1.3), g.TopKLogitsWarper(20), g.TopPLogitsWarper(0.9), g.MinPLogitsWarper(0.05)]),
+         [g.TemperatureLogitsWarper(1.3), g.TopKLogitsWarper(20), g.TopPLogitsWarper(0.9),
+          g.MinPLogitsWarper(0.05)]),
     ]
     ids = torch.zeros(16, 1, dtype=torch.long)
     for config, warpers in configs:
         hf = logits.clone()
         for w in warpers:
             hf = w(ids, hf)
-        torch.testing.assert_close(process(logits, config, torch.float64), hf.double().softmax(-1), rtol=0, atol=1e-6,
-                                   msg=str(config))
+        torch.testing.assert_close(process(logits, config, torch.float64), hf.double().softmax(-1), rtol=0,
+                                   atol=1e-6, msg=str(config))
 
 
 def test_greedy_and_bad_settings():
     logits = torch.tensor([[0.1, 2.0, -1.0]])
     assert process(logits, SamplingConfig(temperature=0)).tolist() == [[0.0, 1.0, 0.0]]
-    for bad in (dict(temperature=-1), dict(top_k=0), dict(top_p=0), dict(top_p=1.5), dict(min_p=0), dict(eta=1),
-                dict(temperature=math.nan)):
+    for bad in (dict(temperature=-1), dict(top_k=0), dict(top_p=0), dict(top_p=1.5), dict(min_p=0),
+                dict(eta=1), dict(temperature=math.nan)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingConfig(**bad)
     with pytest.raises(ValueError, match="NaN"):

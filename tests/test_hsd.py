@@ -31,7 +31,8 @@ class Tables:
 
     @lru_cache(maxsize=None)
     def get(self, which: str, ctx: tuple[int, ...]) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, {"p": 1, "q": 2}[which], len(ctx), *ctx])  # not hash(): salted per process
+        # not hash(): salted per process
+        rng = np.random.default_rng([self.seed, {"p": 1, "q": 2}[which], len(ctx), *ctx])
         w = rng.integers(0 if self.zeros else 1, 10, self.v).astype(float)
         if w.sum() == 0:
             w[0] = 1.0
@@ -49,6 +50,7 @@ class Tables:
 CONFIGS = [(2, 1, 3), (2, 3, 6), (3, 2, 5), (4, 2, 4), (3, 3, 5)]  # (V, K, L), L > K + 1 where affordable
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v,k,length", CONFIGS)
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("rule_name", ["hsd", "lossless"])
@@ -61,6 +63,7 @@ def test_stream_law_is_the_target(rule_name, v, k, length, zeros):
     assert abs(sum(law.values()) - 1) < 1e-12
 
 
+@pytest.mark.slow
 def test_uncapped_variant_is_lossy():
     tables = Tables(3, seed=32, zeros=False)
     law = stream_law(parse("hsd"), tables.p, tables.q, 3, 2, 5, uncapped=True)
@@ -85,6 +88,7 @@ def test_sun_et_al_toy_example_expected_length():
     assert abs(expected["hsd"] - 11 / 9) < 1e-12
 
 
+@pytest.mark.slow
 def test_verify_samples_the_block_law():
     """Chi-square: sampled (n, last token) of `verify` against the exact block law of hsd_levels."""
     rng = np.random.default_rng(5)

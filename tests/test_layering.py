@@ -29,7 +29,8 @@ def test_probability_layer_imports_nothing_from_verispec():
 def test_rules_never_import_diagnostics_models_or_decode():
     for path in (SRC / "rules").glob("*.py"):
         bad = {m for m in verispec_imports(path)
-               if m.split(".")[1] in ("diagnostics", "models", "decode", "sampling", "evaluation", "api", "cli")}
+               if m.split(".")[1] in ("diagnostics", "models", "decode", "sampling", "evaluation", "api",
+                                      "cli")}
         assert not bad, f"{path.name} imports {bad}"
     assert {m.split(".")[1] for m in verispec_imports(SRC / "gates.py")} <= {"probability"}
 

@@ -89,7 +89,8 @@ def test_cos_is_the_mixture():
             torch.testing.assert_close(law, (1 - w) * p + w * q, rtol=0, atol=TOL, msg=name)
 
 
-@pytest.mark.parametrize("tv_budget,ratio", [(0.0, 2.0), (0.02, 2.0), (0.1, 1.5), (0.3, 4.0), (1.0, math.inf), (0.5, 1.0)])
+@pytest.mark.parametrize("tv_budget,ratio",
+                         [(0.0, 2.0), (0.02, 2.0), (0.1, 1.5), (0.3, 4.0), (1.0, math.inf), (0.5, 1.0)])
 def test_budget_constraints_and_optimal_acceptance(tv_budget, ratio):
     rule = parse(f"budget:tv={tv_budget},ratio={ratio}")
     for v in (2, 3, 4, 5):
@@ -118,7 +119,8 @@ def test_budget_beats_lossless_acceptance_and_never_exceeds_its_bound():
 
 
 def test_truncation_emitted_formula_and_baseline():
-    for spec in ("speccascade:min_p=0.3", "typical:eps=0.2", "topk:k=2", "topp:p=0.7", "relaxed:n=3,delta=0.2"):
+    for spec in ("speccascade:min_p=0.3", "typical:eps=0.2", "topk:k=2", "topp:p=0.7",
+                 "relaxed:n=3,delta=0.2"):
         for resample in ("target", "truncated", "greedy"):
             rule = parse(f"{spec},resample={resample}")
             for name, p, q in cases(5):
@@ -126,9 +128,11 @@ def test_truncation_emitted_formula_and_baseline():
                 assert gate[p.argmax()] == 1
                 base = rule.baseline(p)
                 torch.testing.assert_close(base, p * gate / (p * gate).sum(), rtol=0, atol=TOL)
-                residual = {"target": p, "truncated": base, "greedy": torch.eye(5, dtype=p.dtype)[p.argmax()]}[resample]
+                residual = {"target": p, "truncated": base,
+                            "greedy": torch.eye(5, dtype=p.dtype)[p.argmax()]}[resample]
                 expected = q * gate + (1 - (q * gate).sum()) * residual
-                torch.testing.assert_close(rule.emitted(p, q), expected, rtol=0, atol=TOL, msg=f"{rule.spec} {name}")
+                torch.testing.assert_close(rule.emitted(p, q), expected, rtol=0, atol=TOL,
+                                           msg=f"{rule.spec} {name}")
                 honest = parse(f"honest:{rule.spec}")  # the honest baseline samples p_A exactly
                 torch.testing.assert_close(honest.emitted(p, q), base, rtol=0, atol=TOL)
                 torch.testing.assert_close(honest.baseline(p), base, rtol=0, atol=0)
@@ -136,7 +140,8 @@ def test_truncation_emitted_formula_and_baseline():
 
 def test_non_truncation_rules_have_no_baseline():
     p = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    for spec in ("lossless", "lenience:l=0.5", "cos:w=0.2", "fuzzy:threshold=0.1", "sglang:single=0.9,acc=0.5", "budget:tv=0.1"):
+    for spec in ("lossless", "lenience:l=0.5", "cos:w=0.2", "fuzzy:threshold=0.1",
+                 "sglang:single=0.9,acc=0.5", "budget:tv=0.1"):
         assert parse(spec).baseline(p) is None
 
 

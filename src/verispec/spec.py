@@ -51,7 +51,8 @@ def convert(kind: str, name: str, param: Param, text: str) -> object:
         return text
     except (ValueError, OverflowError):
         raise ValueError(
-            f"{kind} '{name}': {param.key}={text!r} is not a valid {param.kind.__name__}; allowed: {param.allowed}"
+            f"{kind} '{name}': {param.key}={text!r} is not a valid {param.kind.__name__}; "
+            f"allowed: {param.allowed}"
         ) from None
 
 
@@ -63,7 +64,8 @@ def parse_params(kind: str, name: str, args: str, params: tuple[Param, ...],
     for item in filter(None, (s.strip() for s in args.split(","))):
         key, eq, text = (s.strip() for s in item.partition("="))
         if key not in by_key:
-            raise ValueError(f"{kind} '{name}' has no parameter '{key}'; its parameters: {', '.join(by_key) or 'none'}")
+            raise ValueError(f"{kind} '{name}' has no parameter '{key}'; "
+                             f"its parameters: {', '.join(by_key) or 'none'}")
         if not eq or not text:
             raise ValueError(f"{kind} '{name}': parameter '{key}' needs a value ({key}=...; "
                              f"allowed: {by_key[key].allowed})")
@@ -107,7 +109,8 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown {self.kind} {name!r}; known {self.kind}s: {', '.join(self.names())}") from None
+            raise ValueError(f"unknown {self.kind} {name!r}; "
+                             f"known {self.kind}s: {', '.join(self.names())}") from None
 
     def names(self) -> list[str]:
         return list(self._entries)

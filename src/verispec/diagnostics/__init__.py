@@ -1,4 +1,5 @@
-"""Diagnostics: distances between laws and the shift a verification rule causes (docs/design.md, section 'Diagnostics')."""
+"""Diagnostics: distances between laws and the shift a verification rule causes (docs/design.md,
+section 'Diagnostics')."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
         p, q = target_probs[drafted], draft_probs[drafted]
         q_sum = q.sum(-1, dtype=torch.float64)
         if not block_level:  # a block rule has no per-position acceptance probability
-            expected[drafted] = torch.minimum(p / p_sum[drafted, None].to(p.dtype), q / q_sum[:, None].to(q.dtype)).sum(
+            expected[drafted] = torch.minimum(p / p_sum[drafted, None].to(p.dtype),
+                                              q / q_sum[:, None].to(q.dtype)).sum(
                 -1, dtype=torch.float64)  # sum(q * min(1, p/q)) = sum(min(p, q))
         confidence[drafted] = q.amax(-1).double() / q_sum
         over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1).double() / q_sum / p_x[drafted]
@@ -57,7 +58,8 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
     }
 
 
-def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, roles: list[str]) -> dict:
+def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor,
+                   roles: list[str]) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
 
     target_probs [n, V]: the processed target at each emitted position; draft_probs [n, V]: the draft

@@ -198,12 +198,9 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def terminal_table(summary: list[dict]) -> str:
     head, body = table_rows(summary)
-    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
     score_name = summary[0]["score_name"] if summary else "score"
-    lines.append(f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly below it)")
-    return "\n".join(lines)
+    legend = f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly below it)"
+    return text_table(head, body) + "\n" + legend
 
 
 # ------------------------------------------------------------------------------------------------

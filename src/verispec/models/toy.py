@@ -29,7 +29,8 @@ class TabularModel:
         self.calls = 0
 
     @classmethod
-    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 1.5, **kw) -> TabularModel:
+    def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 1.5,
+               **kw) -> TabularModel:
         gen = torch.Generator().manual_seed(seed)
         shape = [vocab_size + 1] * order + [vocab_size]
         return cls(torch.randn(shape, generator=gen, dtype=torch.float64) * sharpness, **kw)

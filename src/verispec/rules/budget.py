@@ -1,5 +1,6 @@
-"""The TV-budget rule (verispec's own; docs/design.md, section 'The budget rule and its optimality'): the rule with the largest acceptance
-among all rules whose emitted law r satisfies TV(r, p) <= tv and r <= ratio * p.
+"""The TV-budget rule (verispec's own; docs/design.md, section 'The budget rule and its optimality'):
+the rule with the largest acceptance among all rules whose emitted law r satisfies TV(r, p) <= tv
+and r <= ratio * p.
 
 From r = p move mass m = min(tv, sum((min(q, ratio*p) - p)+), TV(p, q)) from tokens where p > q
 (proportionally to (p - q)+) to tokens where q > p (proportionally to (min(q, ratio*p) - p)+),
@@ -73,7 +74,8 @@ class Budget(Rule):
         give_room, take_room = _rooms(p, q, self.ratio)
         moved, give_total, take_total = _shares(give_room, take_room, self.tv)
         pick = lambda t: t.gather(-1, x[..., None])  # noqa: E731  [..., 1]: the drafted tokens only
-        r_x = pick(p) - moved * _share(pick(take_room), take_total) + moved * _share(pick(give_room), give_total)
+        r_x = (pick(p) - moved * _share(pick(take_room), take_total)
+               + moved * _share(pick(give_room), give_total))
         return ratio_accept(r_x, pick(q))[..., 0]
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:

@@ -33,8 +33,8 @@ class Honest(Rule):
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, TruncationRule):
-            raise ValueError(f"rule 'honest' wraps a truncation rule (speccascade, typical, topk, topp, relaxed), "
-                             f"got {getattr(self.inner, 'name', self.inner)!r}")
+            raise ValueError(f"rule 'honest' wraps a truncation rule (speccascade, typical, topk, topp, "
+                             f"relaxed), got {getattr(self.inner, 'name', self.inner)!r}")
 
     def _baseline(self, p: Tensor) -> Tensor:
         return self.inner._baseline(p)
@@ -46,7 +46,8 @@ class Honest(Rule):
         kept = torch.where(self.inner.gate(p), p, 0.0)  # p * 1_A
         total = kept.sum(-1, keepdim=True)
         p_x = at(kept, x)[..., None]  # the baseline at the drafted tokens, as `normalize` computes it
-        truncated_x = torch.where(total > 0, p_x / total.clamp_min(torch.finfo(p.dtype).tiny), at(p, x)[..., None])
+        truncated_x = torch.where(total > 0, p_x / total.clamp_min(torch.finfo(p.dtype).tiny),
+                                  at(p, x)[..., None])
         return ratio_accept(truncated_x[..., 0], at(q, x))
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
 """Lenient speculative sampling (Leviathan et al. 2023, section 3.5 / appendix A.5, "lenience"):
 accept min(1, p / (l * q)), residual norm((p - q)+).
 
-Closed form (derived in docs/design.md, section 'The catalogue'): emitted = D*p + (1-D)*q where q <= p; q where p < q < p/l;
-p/l where q >= p/l; with D = sum((q - p/l)+) / TV(p, q). Overshoot is capped: emitted / p <= 1/l.
+Closed form (derived in docs/design.md, section 'The catalogue'): emitted = D*p + (1-D)*q where
+q <= p; q where p < q < p/l; p/l where q >= p/l; with D = sum((q - p/l)+) / TV(p, q). Overshoot
+is capped: emitted / p <= 1/l.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Lenience(Rule):
     summary = "accept min(1, p/(l*q)); overshoot capped at p/l"
     lossless_when = "only at l = 1"
     params = (Param("l", float, "0 < l <= 1 (1 = lossless)", lambda v: 0 < v <= 1),)
-    l: float
+    l: float  # noqa: E741 (the rule's public parameter name, as in `lenience:l=0.5`)
 
     @property
     def lossless(self) -> bool:  # type: ignore[override]

@@ -33,7 +33,8 @@ def parse(spec: str) -> Rule:
     cls = rule_class(name)
     if cls.name == "honest":  # wraps a whole rule spec: honest:<truncation rule spec>
         if not args:
-            raise ValueError("rule 'honest' needs a truncation rule to wrap, e.g. honest:speccascade:min_p=0.1")
+            raise ValueError("rule 'honest' needs a truncation rule to wrap, "
+                             "e.g. honest:speccascade:min_p=0.1")
         return cls(inner=parse(args))
     required = tuple(f.name for f in fields(cls) if f.default is MISSING)
     return cls(**parse_params("rule", cls.name, args, cls.params, required))

@@ -1,8 +1,9 @@
 """Truncation-based verification: accept the draft token iff it lies in a gate set A(p).
 
-emitted = q * 1_A + (1 - q(A)) * residual (docs/design.md, section 'The catalogue'). Inside A the output follows the
-*draft's* shape, not the target's, which is why these rules must be compared with the honest
-truncation baseline `p_A = norm(p * 1_A)` (lossless verification against the truncated target).
+emitted = q * 1_A + (1 - q(A)) * residual (docs/design.md, section 'The catalogue'). Inside A the
+output follows the *draft's* shape, not the target's, which is why these rules must be compared with
+the honest truncation baseline `p_A = norm(p * 1_A)` (lossless verification against the truncated
+target).
 
 The residual after a rejection differs between published implementations (`resample=`):
 `target` (the full target p, as in the reference implementation of the lossy-verification study),
@@ -19,7 +20,8 @@ from torch import Tensor
 from verispec.probability import at, normalize, one_hot_argmax
 from verispec.rules.base import Param, Rule
 
-RESAMPLE = Param("resample", str, "target | truncated | greedy", lambda v: v in ("target", "truncated", "greedy"))
+RESAMPLE = Param("resample", str, "target | truncated | greedy",
+                 lambda v: v in ("target", "truncated", "greedy"))
 
 
 @dataclass(frozen=True, kw_only=True)
