@@ -83,7 +83,7 @@ def encode_messages(model, messages: list[dict]) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
             raise ValueError("each message must be an object with string 'role' and 'content'")
     tok = model.tokenizer
     if getattr(tok, "chat_template", None):

@@ -165,7 +165,9 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
                           "rate": hits / reached if reached else None})
     certificate = None
     if rule is not None and rule.name == "budget":
-        n = max_new_tokens if max_new_tokens is not None else (gen.num_tokens if gen.finish == "length" else None)
+        n = max_new_tokens
+        if n is None and gen.finish == "length":
+            n = gen.num_tokens
         certificate = {
             "tv_per_token": rule.tv, "ratio": rule.ratio, "n": n, "n_is": "max_tokens",
             "tv_bound": None if n is None else min(1.0, n * rule.tv),
