@@ -76,6 +76,24 @@ def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> l
     return model.encode(prompt)
 
 
+def encode_messages(model, messages: list[dict]) -> list[int]:
+    """Chat messages ([{"role", "content"}, ...]) -> token ids: the tokenizer's chat template (with the
+    generation prompt) when it has one; otherwise the contents joined by newlines, ending with one, as
+    plain text (roles dropped: the default pair is a plain Shakespeare model with no chat format)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
+            raise ValueError("each message must be an object with string 'role' and 'content'")
+    tok = model.tokenizer
+    if getattr(tok, "chat_template", None):
+        out = tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                      add_generation_prompt=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+    return encode_prompt(model, "".join(m["content"] + "\n" for m in messages), chat=False)
+
+
 def generate(
     prompt: str | list[int],
     target="default",
@@ -114,4 +132,6 @@ def generate(
     else:
         gen = speculative_decode(target_model, drafter, prompt_ids, rule, config, generator)
     text = target_model.decode(list(gen.token_ids))
-    return GenerateResult(text=text, token_ids=list(gen.token_ids), prompt_ids=prompt_ids, stats=gen.stats(), generation=gen)
+    return GenerateResult(text=text, token_ids=list(gen.token_ids), prompt_ids=prompt_ids,
+                          stats=gen.stats(max_new_tokens=max_new_tokens, k=None if drafter is None else k),
+                          generation=gen)

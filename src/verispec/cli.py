@@ -125,6 +125,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return print_report(args.out)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from verispec.serve import ServeConfig, serve
+
+    config = ServeConfig(
+        target=args.target, draft=args.draft, rule=args.rule, k=args.k,
+        allow_rules=tuple(args.allow_rules) if args.allow_rules else None,
+        max_tv_per_token=args.max_tv_per_token,
+        max_queue=args.max_queue, max_batch=args.max_batch, max_tokens_limit=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
+        dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
+    )
+    serve(config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +188,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=cmd_demo)
+    srv = sub.add_parser("serve", help="OpenAI-compatible server; every response carries its "
+                                       "verification report")
+    add_model_args(srv)
+    srv.add_argument("--rule", default="lossless",
+                     help="the server's default rule (a request may name its own)")
+    srv.add_argument("--k", type=int, default=4, help="default draft tokens per block")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--allow-rules", nargs="+", default=None, metavar="RULE",
+                     help="rule names, families (lossless, truncation, collaborative, bounded, baseline) "
+                          "or specs a request may use; others get 400 (default: all)")
+    srv.add_argument("--max-tv-per-token", type=float, default=None,
+                     help="refuse rules that cannot certify this per-token TV to the target (lossless and "
+                          "budget:tv<=X can)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting to start; more get 503")
+    srv.add_argument("--max-batch", type=int, default=32, help="rows decoding at once")
+    srv.add_argument("--max-tokens-limit", type=int, default=1024,
+                     help="largest max_tokens a request may ask")
+    srv.add_argument("--default-max-tokens", type=int, default=64)
+    srv.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
+                     help="exact per-token diagnostics (the fidelity half of the report; on by default)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

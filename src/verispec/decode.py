@@ -96,9 +96,11 @@ class Generation:
             return 0.0
         return float(sum(a - b if a != b else 0.0 for a, b in zip(self.steps["log_law"], self.steps["log_target"])))
 
-    def stats(self) -> dict[str, float | int | str | None]:
+    def stats(self, max_new_tokens: int | None = None, k: int | None = None) -> dict:
         """The generation's summary: the one place that aggregates a generation (the CLI's --json, the
-        Python API's `.stats` and every sweep row use it). Definitions: docs/design.md, section 'Words'."""
+        Python API's `.stats`, the server's responses and every sweep row use it). Definitions:
+        docs/design.md, section 'Words'. Its "verification" entry is `verification_report(self,
+        max_new_tokens, k)`, the object `verispec serve` returns with every response."""
         proposed = sum(b.proposed for b in self.blocks)
         out: dict[str, float | int | str | None] = {
             "rule": self.rule,
@@ -126,7 +128,75 @@ class Generation:
             out["max_overshoot"] = max(steps["max_ratio"])
             out["mean_tail_mass"] = sum(steps["tail_mass"]) / n
             out["target_nll"] = -sum(steps["log_target_raw"]) / n  # per token, under the raw target
+        out["verification"] = verification_report(self, max_new_tokens, k)
         return out
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def verification_report(gen: Generation, max_new_tokens: int | None = None, k: int | None = None) -> dict:
+    """The verification report of one generation: what the rule did to this response's law.
+
+    The one function that builds it (`Generation.stats()["verification"]`, `verispec run --json`,
+    and every `verispec serve` response). Fields:
+    - rule, lossless: the rule's spec and whether its output law is the target's (plain: lossless);
+    - drafted / accepted tokens, acceptance_rate, tokens_per_target_call (block efficiency);
+    - mean_tv, mean_kl: exact per-token TV / KL of the emitted tokens' laws to the processed target,
+      averaged over the response's tokens; max_overshoot: max law/p over them (docs/design.md,
+      'Diagnostics'); log_ratio: the exact path-level log-likelihood ratio of the response against
+      the target (docs/design.md, 'Rule anatomy'), and log_ratio_per_token. None without diagnostics;
+    - acceptance_per_position: for draft positions j = 1..k, blocks that reached position j
+      (proposed >= j), of which accepted there (accepted >= j), and the rate (None if never reached);
+    - certificate: for a `budget` rule, TV(response law, target's response law) <= n * tv with
+      n = max_new_tokens (the maximum length: with a stop token, responses are padded to it;
+      docs/design.md, 'Certificate'), and KL(law_t || p_t) <= log(1 + ratio * tv) per token;
+      None for other rules, and its bound None when max_new_tokens is unknown and the response stopped
+      early (its own length is not a valid n then).
+    """
+    from verispec.rules import parse as parse_rule
+
+    rule = None if gen.rule == "plain" else parse_rule(gen.rule)
+    proposed = sum(b.proposed for b in gen.blocks)
+    accepted = sum(b.accepted for b in gen.blocks)
+    width = k if k is not None else max((b.proposed for b in gen.blocks), default=0)
+    positions = []
+    for j in range(1, width + 1):
+        reached = sum(1 for b in gen.blocks if b.proposed >= j)
+        hits = sum(1 for b in gen.blocks if b.accepted >= j)
+        positions.append({"position": j, "reached": reached, "accepted": hits,
+                          "rate": hits / reached if reached else None})
+    certificate = None
+    if rule is not None and rule.name == "budget":
+        n = max_new_tokens
+        if n is None and gen.finish == "length":
+            n = gen.num_tokens
+        certificate = {
+            "tv_per_token": rule.tv, "ratio": rule.ratio, "n": n, "n_is": "max_tokens",
+            "tv_bound": None if n is None else min(1.0, n * rule.tv),
+            "kl_per_token_bound": math.log1p(rule.ratio * rule.tv) if math.isfinite(rule.ratio) else None,
+        }
+    steps = gen.steps
+    n_steps = len(steps["tv"]) if steps else 0
+    return {
+        "rule": gen.rule,
+        "lossless": True if rule is None else bool(rule.lossless),
+        "tokens": gen.num_tokens,
+        "finish": gen.finish,
+        "drafted_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": _finite_or_none(gen.acceptance_rate),
+        "tokens_per_target_call": _finite_or_none(gen.block_efficiency),
+        "target_calls": gen.target_calls,
+        "mean_tv": sum(steps["tv"]) / n_steps if n_steps else None,
+        "mean_kl": sum(steps["kl"]) / n_steps if n_steps else None,
+        "max_overshoot": max(steps["max_ratio"]) if n_steps else None,
+        "log_ratio": gen.log_ratio if steps is not None else None,
+        "log_ratio_per_token": gen.log_ratio / n_steps if n_steps else None,
+        "certificate": certificate,
+        "acceptance_per_position": positions,
+    }
 
 
 def _as_prompt(prompt_ids) -> Tensor:
@@ -395,6 +465,13 @@ class BatchDecoder:
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, eos=eos,
                                record=_Recorder(self.rule, config), start=time.perf_counter())
         return row
+
+    def tokens(self, row: int) -> list[int]:
+        """The token ids a row has committed so far (its prompt excluded), e.g. for streaming."""
+        if row not in self._rows:
+            raise ValueError(f"no active row {row}")
+        r = self._rows[row]
+        return r.seq[r.prompt.shape[0]:].tolist()
 
     def cancel(self, row: int) -> Generation:
         """Remove a row; returns what it generated so far (finish "cancelled")."""

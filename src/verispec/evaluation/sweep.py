@@ -89,6 +89,7 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
     metrics = suite.score(text, item)
     stats = gen.stats()
     del stats["rule"]  # the row's rule is the config's (plain decoding reports "plain" too)
+    del stats["verification"]  # the per-response report (verispec serve); rows keep the full steps
     return {
         "schema": SCHEMA_VERSION, "unit": unit_key(spec, item, seed, config),
         "suite": suite.name, "prompt_id": item.id, "prompt_index": index, "seed": seed,

@@ -1,0 +1,162 @@
+"""Serving benchmark: a bounded load generator against `verispec serve` on the default pair (loopback).
+
+For each server mode (lossless speculative decoding; plain decoding, `--draft none`; lossless with
+`--no-diagnostics`) the script starts `python -m verispec serve` as a subprocess on a free 127.0.0.1
+port, warms it up, then at each concurrency level sends a fixed number of streaming requests
+(asyncio + httpx, `concurrency` in flight at a time; fixed length via `ignore_eos`) and reports total
+tokens/s, p50/p99 latency and p50/p99 time to first token (measured by the client). The cost of the
+per-response report is measured two ways: the diagnostics on vs off (the exact per-token statistics the
+report summarises), and in process, `Generation.stats()` (which builds the report) against decode time.
+
+    python benchmarks/serve_load.py                       # all modes, concurrency 1 4 16 64
+    python benchmarks/serve_load.py --concurrency 1 4 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = ["KING.\nWhat says the queen?\n", "ROMEO.\n",
+           "First Citizen:\nBefore we proceed any further, hear me speak.\n", "HAMLET.\nTo be, or not to be,"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "verispec", "serve", "--port", str(port), "--host", "127.0.0.1",
+           "--max-batch", "64", "--max-queue", "256", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
+    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "seed": i, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    first = None
+    final = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"][0]["text"]:
+                first = time.perf_counter() - start
+            if "verification" in chunk:
+                final = chunk
+    return {"latency": time.perf_counter() - start, "ttft": first,
+            "tokens": final["usage"]["completion_tokens"], "verification": final["verification"]}
+
+
+async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def bounded(i):
+            async with sem:
+                return await one(client, url, i, max_tokens)
+
+        start = time.perf_counter()
+        out = await asyncio.gather(*(bounded(i) for i in range(requests)))
+        wall = time.perf_counter() - start
+    lat = sorted(r["latency"] for r in out)
+    ttft = sorted(r["ttft"] for r in out if r["ttft"] is not None)
+    q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    tokens = sum(r["tokens"] for r in out)
+    vers = [r["verification"] for r in out]
+    return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "p50_latency": statistics.median(lat), "p99_latency": q(lat, 0.99),
+            "p50_ttft": statistics.median(ttft), "p99_ttft": q(ttft, 0.99),
+            "tokens_per_target_call": sum(v["tokens"] for v in vers) / sum(v["target_calls"] for v in vers)}
+
+
+def report_overhead(n: int = 16, max_tokens: int = 64) -> dict:
+    """In process: the time to build the report (`Generation.stats()`) and the diagnostics' time, as
+    fractions of decode time, over n generations of the default pair."""
+    import torch
+
+    from verispec.decode import DecodeConfig, speculative_decode
+    from verispec.models import load_drafter, load_model
+
+    target = load_model("default")
+    drafter = load_drafter("default-draft", target)
+    build = diag = decode = 0.0
+    for i in range(n):
+        ids = target.encode(PROMPTS[i % len(PROMPTS)])
+        gen = speculative_decode(target, drafter, ids, "budget:tv=0.01,ratio=2",
+                                 DecodeConfig(k=4, max_new_tokens=max_tokens, stop_at_eos=False),
+                                 torch.Generator().manual_seed(i))
+        t0 = time.perf_counter()
+        gen.stats(max_new_tokens=max_tokens, k=4)
+        build += time.perf_counter() - t0
+        diag += gen.diagnostics_seconds
+        decode += gen.seconds
+    return {"report_build_fraction": build / decode, "diagnostics_fraction": diag / decode}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="per level (default: max(4, concurrency))")
+    parser.add_argument("--modes", nargs="+", default=["lossless", "plain", "lossless-nodiag"])
+    args = parser.parse_args()
+    modes = {"lossless": ["--draft", "default-draft", "--rule", "lossless"], "plain": ["--draft", "none"],
+             "lossless-nodiag": ["--draft", "default-draft", "--rule", "lossless", "--no-diagnostics"]}
+    rows = []
+    for mode in args.modes:
+        proc, url = start_server(modes[mode])
+        try:
+            asyncio.run(level(url, 4, 8, args.max_tokens))  # warm up (first batch shapes are slow)
+            for c in args.concurrency:
+                if mode == "lossless-nodiag" and c != max(args.concurrency):
+                    continue  # the diagnostics toggle: one level is enough
+                n = args.requests or max(4, c)
+                row = {"mode": mode, **asyncio.run(level(url, c, n, args.max_tokens))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    print("\n| mode | concurrency | requests | tokens/s | p50 latency (s) | p99 latency (s) | p50 TTFT (s) "
+          "| p99 TTFT (s) | tokens/target call |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+              f"{r['p50_latency']:.2f} | {r['p99_latency']:.2f} | {r['p50_ttft']:.2f} | "
+              f"{r['p99_ttft']:.2f} | {r['tokens_per_target_call']:.2f} |")
+    over = report_overhead()
+    print(f"\nin process (16 x 64 tokens, budget:tv=0.01,ratio=2): building the report "
+          f"{100 * over['report_build_fraction']:.2f}% of decode time; its diagnostics "
+          f"{100 * over['diagnostics_fraction']:.2f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""`verispec serve`: a real uvicorn server on 127.0.0.1 (a random free port, in a thread), driven by the
+official `openai` client and httpx. Every response carries its verification report, equal to
+`verispec.generate(...).stats["verification"]` for the same prompt, rule and seed; concurrent requests
+equal the same requests decoded alone; disconnects free rows; a full queue answers 503; /metrics adds
+up; bad input gets OpenAI-shaped 4xx errors and the server keeps serving. Loopback only; every wait is
+bounded in count and time."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from verispec.rules import parse  # noqa: E402
+from verispec.serve import APIError, ServeConfig, certifiable_tv, check_policy  # noqa: E402
+
+PROMPT = "KING.\nWhat says the queen?\n"
+LOSSY = "budget:tv=0.01,ratio=2"
+
+
+# -- guardrails without a server ---------------------------------------------------------------------
+
+
+def test_policy_allow_list_and_tv_cap():
+    config = ServeConfig(allow_rules=("lossless", "bounded"), max_tv_per_token=0.05)
+    check_policy(parse("lossless"), config)
+    check_policy(parse("budget:tv=0.05,ratio=2"), config)
+    check_policy(None, config)  # plain decoding
+    with pytest.raises(APIError) as err:
+        check_policy(parse("lenience:l=0.5"), config)
+    assert err.value.code == "rule_not_allowed"
+    with pytest.raises(APIError) as err:
+        check_policy(parse("budget:tv=0.1,ratio=2"), config)
+    assert err.value.code == "rule_not_certifiable" and "budget:tv=0.05,ratio=2" in err.value.message
+    with pytest.raises(APIError):
+        check_policy(parse("lenience:l=0.5"), ServeConfig(max_tv_per_token=0.5))  # no certificate at all
+    assert certifiable_tv(parse("budget:tv=0.02")) == 0.02 and certifiable_tv(parse("hsd")) == 0.0
+    assert certifiable_tv(parse("cos:w=0.5")) is None and certifiable_tv(parse("budget:tv=0")) == 0.0
+
+
+# -- a real server -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server in a thread, stopped by `close` (graceful: lifespan shutdown stops the engine)."""
+
+    def __init__(self, config: ServeConfig):
+        import uvicorn
+
+        from verispec.serve import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_until(self, predicate, seconds: float = 60) -> dict:
+        deadline = time.monotonic() + seconds
+        while True:
+            state = self.health()
+            if predicate(state):
+                return state
+            assert time.monotonic() < deadline, f"timed out waiting; last health {state}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=64, max_queue=64))
+    running.client.completions.create(model="default", prompt=PROMPT, max_tokens=8, seed=0)  # warm up
+    yield running
+    running.close()
+    assert running.app.state.server.engine.running == 0
+
+
+def same_report(served: dict, local: dict) -> None:
+    """The server's verification object equals the library's: ints and strings exactly, floats to
+    float32 rounding (the batched forward pass may round differently from batch-1's)."""
+    assert served.keys() == local.keys()
+    for key, a in served.items():
+        b = local[key]
+        if isinstance(b, float) and isinstance(a, (int, float)):
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
+        elif isinstance(b, dict):
+            same_report(a, b)
+        elif isinstance(b, list):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same_report(x, y)
+        else:
+            assert a == b, (key, a, b)
+
+
+def local_generate(prompt, rule, seed, max_tokens, k=4, **sampling):
+    import verispec
+    from verispec.cli import json_safe
+
+    out = verispec.generate(prompt, target="default", draft="default-draft", rule=rule, k=k,
+                            max_new_tokens=max_tokens, seed=seed, chat=False, **sampling)
+    return out, json_safe(out.stats["verification"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["lossless", LOSSY, "lenience:l=0.5"])
+def test_completion_equals_generate(srv, rule):
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=24, seed=7,
+                                      extra_body={"verification": {"rule": rule, "k": 4}})
+    extra = r.model_extra
+    local, report = local_generate(PROMPT, rule, 7, 24)
+    assert extra["token_ids"] == local.token_ids
+    assert r.choices[0].text == local.text
+    assert r.usage.completion_tokens == len(local.token_ids)
+    assert r.usage.prompt_tokens == len(local.prompt_ids)
+    assert r.choices[0].finish_reason == ("stop" if local.generation.finish == "eos" else "length")
+    assert extra["seed"] == 7
+    ver = extra["verification"]
+    same_report(ver, report)
+    assert ver["rule"] == parse(rule).spec and ver["lossless"] == (rule == "lossless")
+    assert ver["tokens"] == r.usage.completion_tokens and len(ver["acceptance_per_position"]) == 4
+    if rule == "lossless":
+        assert ver["mean_tv"] == 0 and ver["log_ratio"] == 0 and ver["certificate"] is None
+    if rule == LOSSY:
+        cert = ver["certificate"]
+        assert cert["n"] == 24 and cert["n_is"] == "max_tokens" and math.isclose(cert["tv_bound"], 0.24)
+        assert 0 < ver["mean_tv"] <= 0.01 + 1e-9 and ver["max_overshoot"] <= 2 + 1e-9
+    # positions: reached/accepted counts agree with the totals
+    assert sum(p["reached"] for p in ver["acceptance_per_position"]) == ver["drafted_tokens"]
+    assert sum(p["accepted"] for p in ver["acceptance_per_position"]) == ver["accepted_tokens"]
+
+
+@pytest.mark.slow
+def test_chat_completion_and_streaming(srv):
+    messages = [{"role": "user", "content": "KING."}, {"role": "user", "content": "What says the queen?"}]
+    body = dict(model="default", messages=messages, max_tokens=20, seed=11,
+                extra_body={"verification": {"rule": LOSSY}})
+    r = srv.client.chat.completions.create(**body)
+    local, report = local_generate(PROMPT, LOSSY, 11, 20)  # no chat template: contents joined by newlines
+    assert r.model_extra["token_ids"] == local.token_ids and r.choices[0].message.content == local.text
+    same_report(r.model_extra["verification"], report)
+    chunks = list(srv.client.chat.completions.create(stream=True, **body))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == local.text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].model_extra["verification"] == r.model_extra["verification"]
+    assert all("verification" not in c.model_extra for c in chunks[:-1])
+    # completions stream too, with a stop string
+    plain = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3)
+    chunks = list(srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3,
+                                                stream=True))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    stop = plain.choices[0].text[5:7]
+    cut = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3, stop=[stop])
+    assert cut.choices[0].text == plain.choices[0].text[: plain.choices[0].text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_concurrent_requests_equal_alone(srv):
+    rules = ["lossless", LOSSY, "lenience:l=0.5", "typical:eps=0.09,alpha=0.3"]
+    jobs = [dict(rule=rules[i % 4], seed=100 + i, max_tokens=8 + (i * 5) % 25,
+                 temperature=[1.0, 0.7][i % 2], prompt=PROMPT if i % 3 else "ROMEO.\n") for i in range(32)]
+
+    def send(job):
+        return srv.client.completions.create(
+            model="default", prompt=job["prompt"], max_tokens=job["max_tokens"], seed=job["seed"],
+            temperature=job["temperature"], extra_body={"verification": {"rule": job["rule"]}})
+
+    with ThreadPoolExecutor(32) as pool:
+        responses = list(pool.map(send, jobs, timeout=300))
+    seen_batch = srv.app.state.server.metrics.running  # the gauge only; rows ran together (below)
+    assert seen_batch is not None
+    differ = []
+    for job, r in zip(jobs, responses):
+        ver = r.model_extra["verification"]
+        assert r.choices[0].finish_reason in ("stop", "length") and ver["rule"] == parse(job["rule"]).spec
+        n = r.usage.completion_tokens
+        assert n == ver["tokens"] == len(r.model_extra["token_ids"]) <= job["max_tokens"]
+        local, report = local_generate(job["prompt"], job["rule"], job["seed"], job["max_tokens"],
+                                       temperature=job["temperature"])
+        if r.model_extra["token_ids"] != local.token_ids:
+            differ.append((job, r.model_extra["token_ids"], local.token_ids))
+            continue
+        assert r.choices[0].text == local.text
+        same_report(ver, report)
+    # batched forward passes round differently from batch-1 (~1e-6 relative); a sampled token flips
+    # only when its uniform falls that close to a CDF boundary: rare, so at most one row may differ
+    assert len(differ) <= 1, differ
+    print(f"concurrent vs alone: {32 - len(differ)}/32 identical")
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_frees_the_row(srv):
+    before = cancelled_count(srv)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", srv.url + "/v1/completions",
+                           json={"prompt": PROMPT, "max_tokens": 1000, "stream": True, "seed": 1,
+                                 "ignore_eos": True}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [line for _, line in zip(range(3), (x for x in lines if x.startswith("data:")))]
+            assert len(got) == 3
+            assert srv.health()["running"] == 1
+    srv.wait_until(lambda h: h["running"] == 0, seconds=30)
+    assert cancelled_count(srv) == before + 1  # cancelled, not run to its 1000 tokens
+
+
+def metrics(srv) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def cancelled_count(srv) -> float:
+    return metrics(srv).get(("verispec:request_success_total", (("finished_reason", "cancelled"),)), 0.0)
+
+
+@pytest.mark.slow
+def test_metrics_add_up(srv):
+    srv.wait_until(lambda h: h["running"] == 0 and h["waiting"] == 0)
+    before = metrics(srv)
+    jobs = [("lossless", 10), (LOSSY, 14), (LOSSY, 6), ("lenience:l=0.5", 12)]
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda j: srv.client.completions.create(
+            model="default", prompt=PROMPT, max_tokens=j[1], seed=5,
+            extra_body={"verification": {"rule": j[0]}}), jobs, timeout=120))
+    after = metrics(srv)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    vers = [r.model_extra["verification"] for r in responses]
+    assert delta("verispec:spec_decode_num_draft_tokens_total") == sum(v["drafted_tokens"] for v in vers)
+    assert delta("verispec:spec_decode_num_accepted_tokens_total") == sum(v["accepted_tokens"] for v in vers)
+    for j in range(4):
+        assert delta("verispec:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) == sum(
+            v["acceptance_per_position"][j]["accepted"] for v in vers)
+    assert delta("verispec:spec_decode_num_drafts_total") == sum(
+        v["acceptance_per_position"][0]["reached"] for v in vers)
+    assert delta("verispec:generation_tokens_total") == sum(r.usage.completion_tokens for r in responses)
+    assert delta("verispec:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in responses)
+    assert delta("verispec:e2e_request_latency_seconds_count") == 4
+    assert delta("verispec:response_mean_tv_count", rule=parse(LOSSY).spec) == 2
+    assert delta("verispec:response_mean_tv_sum", rule=parse(LOSSY).spec) == pytest.approx(
+        vers[1]["mean_tv"] + vers[2]["mean_tv"])
+    assert after[("verispec:num_requests_running", ())] == 0
+
+
+BAD = [
+    ("completions", b"{not json", 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", {"max_tokens": 5}, 400, "prompt"),
+    ("chat/completions", {"prompt": "x"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("completions", {"prompt": "", "max_tokens": 5}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {"prompt": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("completions", {"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("completions", {"prompt": "KING. " * 700, "max_tokens": 1000}, 400, "max_tokens"),
+    ("completions", {"prompt": PROMPT, "temperature": -0.5}, 400, "temperature"),
+    ("completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "seed": -3}, 400, "seed"),
+    ("completions", {"prompt": PROMPT, "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
+    ("completions", {"prompt": PROMPT, "verification": {"rule": "nosuchrule"}}, 400, "verification.rule"),
+    ("completions", {"prompt": PROMPT, "verification": {"rule": "lenience:l=7"}}, 400, "verification.rule"),
+    ("completions", {"prompt": PROMPT, "verification": {"rule": "budget:tv"}}, 400, "verification.rule"),
+    ("completions", {"prompt": PROMPT, "verification": {"k": 0}}, 400, "k"),
+    ("completions", {"prompt": PROMPT, "verification": {"rulez": "lossless"}}, 400, "verification"),
+    ("completions", {"prompt": PROMPT, "verification": "lossless"}, 400, "verification"),
+]
+
+
+@pytest.mark.slow
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
+    with httpx.Client(timeout=30) as client:
+        for endpoint, body, status, param in BAD:
+            kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+            resp = client.post(f"{srv.url}/v1/{endpoint}", headers={"content-type": "application/json"},
+                               **kwargs)
+            assert resp.status_code == status, (body, resp.text)
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+            assert err["param"] == param, (body, err)
+        assert client.get(srv.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+        models = client.get(srv.url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["default"]
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        srv.client.completions.create(model="default", prompt=PROMPT, n=2)
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1)
+    assert r.usage.completion_tokens == 5 and srv.health()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_guardrails_and_queue_full():
+    from verispec.models import load_drafter, load_model  # noqa: F401  (cached: shared with `srv`)
+
+    small = Running(ServeConfig(target="default", draft="default-draft", rule="lossless", max_batch=1,
+                                max_queue=1, allow_rules=("lossless", "budget"), max_tv_per_token=0.05))
+    try:
+        with pytest.raises(openai.BadRequestError, match="not allowed"):
+            small.client.completions.create(model="default", prompt=PROMPT, max_tokens=4,
+                                            extra_body={"verification": {"rule": "lenience:l=0.5"}})
+        with pytest.raises(openai.BadRequestError, match=r"budget:tv=0.05,ratio=2"):
+            small.client.completions.create(model="default", prompt=PROMPT, max_tokens=4,
+                                            extra_body={"verification": {"rule": "budget:tv=0.2"}})
+        ok = small.client.completions.create(model="default", prompt=PROMPT, max_tokens=4, seed=2,
+                                             extra_body={"verification": {"rule": "budget:tv=0.05"}})
+        assert ok.model_extra["verification"]["certificate"]["tv_bound"] == pytest.approx(0.2)
+        # one row decoding, one waiting: the next request gets 503 with Retry-After
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", small.url + "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 1000, "stream": True,
+                                     "ignore_eos": True}) as long:
+                lines = long.iter_lines()  # keep it: a dropped line iterator closes the connection
+                next(x for x in lines if x.startswith("data:"))
+                with ThreadPoolExecutor(1) as pool:
+                    queued = pool.submit(httpx.post, small.url + "/v1/completions",
+                                         json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True},
+                                         timeout=120)
+                    small.wait_until(lambda h: h["waiting"] == 1, seconds=30)
+                    full = httpx.post(small.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                                      timeout=30)
+                    assert full.status_code == 503 and full.headers["Retry-After"] == "1"
+                    assert full.json()["error"]["code"] == "queue_full"
+                    long.close()  # disconnect: frees the row, the queued request runs
+                    done = queued.result(timeout=120)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+        small.wait_until(lambda h: h["running"] == 0 and h["waiting"] == 0)
+    finally:
+        small.close()
+
+
+@pytest.mark.slow
+def test_run_json_reports_the_same_object(capsys):
+    from verispec.cli import main
+
+    argv = ["run", "--prompt", PROMPT, "--rule", LOSSY, "--max-new-tokens", "12", "--seed", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    _, report = local_generate(PROMPT, LOSSY, 4, 12)
+    assert out["stats"]["verification"] == report
