@@ -60,10 +60,12 @@ class _Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         # Kernel by the GEMM's row count M = B*m, not m: [B, 1, in] with B > 1 is a small-M GEMM,
-        # where `x @ W^T` falls off MKL's GEMV path. Measured (`python benchmarks/batch_forward.py --kernels`, benchmarks/RESULTS.md,
-        # "Batched forward passes"), sum of the default target's five weight shapes, median us:
-        # M=1: x@W^T 637 vs packed 15411; M=4: 29564 vs 14601; M=16: 29562 vs 14603;
-        # M=64: 30714 vs 14998; M=256: 35013 vs 18862. So: GEMV for M == 1, oneDNN packed above.
+        # where `x @ W^T` leaves MKL's GEMV path. Measured (`python benchmarks/batch_forward.py
+        # --kernels`, benchmarks/RESULTS.md "Batched forward passes"; the default target's five
+        # weight shapes summed, median us, x @ W^T vs packed), 1 thread: M=1 875 vs 2926, M=2 1899 vs
+        # 2817, M=4 5465 vs 3821, M=16 8591 vs 5414, M=64 16415 vs 12145; 2 threads (a loaded
+        # machine): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714 vs 14998. So the GEMV for
+        # M == 1 and oneDNN packed above (M = 2-3 on one thread is the one mild loss), as for batch 1.
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if x.numel() > x.shape[-1] and self.packed is not None:
@@ -289,6 +291,7 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
     first = int(slots[0])
     packed = bool((slots == torch.arange(first, first + b)).all())  # a slice view instead of a gather
     nq, nkv, hd = lean.n_heads * lean.head_dim, lean.n_kv * lean.head_dim, lean.head_dim
+    gqa = lean.n_kv != lean.n_heads
     x = lean.embed[tokens.to(dev)]  # [B, m, d]
     for i, w in enumerate(lean.layers):
         h = lean._rms(x, w["norm_in"])
@@ -297,14 +300,12 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
         k = qkv[..., nq : nq + nkv].view(b, m, lean.n_kv, hd).transpose(1, 2)  # [B, Hkv, m, hd]
         v = qkv[..., nq + nkv :].view(b, m, lean.n_kv, hd)  # [B, m, Hkv, hd]
         q, k = lean._rotate(q, cos, sin), lean._rotate(k, cos, sin)
-        # scatter: cache[slot_b, :, start_b + j] = new key j of row b (advanced indices first: [B, m, Hkv, hd])
+        # scatter: cache[slot_b, :, start_b + j] = key j of row b (advanced indices first: [B, m, Hkv, hd])
         cache.k[i][slot_dev[:, None], :, pos_dev] = k.transpose(1, 2)
         cache.v[i][slot_dev[:, None], :, pos_dev] = v
-        if packed:
-            keys, values = cache.k[i][first : first + b, :, :length], cache.v[i][first : first + b, :, :length]
-        else:
-            keys, values = cache.k[i][slot_dev, :, :length], cache.v[i][slot_dev, :, :length]  # [B, Hkv, L, hd]
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=lean.n_kv != lean.n_heads)
+        rows = slice(first, first + b) if packed else slot_dev
+        keys, values = cache.k[i][rows, :, :length], cache.v[i][rows, :, :length]  # [B, Hkv, L, hd]
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         x = x + w["o"](att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
         h = lean._rms(x, w["norm_post"])
         gate, up = w["gate_up"](h).chunk(2, -1)
@@ -337,7 +338,7 @@ class LeanBatchSession:
         if slot is not None:
             self.cache.release(slot)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the cache's tensors stay ordinary (release works outside it)
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)
         feeds, slots = [], []
@@ -365,7 +366,8 @@ class LeanBatchSession:
         ends = torch.arange(len(order)) * width + counts  # [B]
         keep = torch.cat([torch.arange(int(e) - int(w), int(e)) for e, w in zip(ends, wanted)])  # [sum n]
         self.owner.calls += 1
-        logits = forward_batch(self.lean, padded, counts, torch.tensor([slots[i] for i in order]), self.cache, keep)
+        slot_ids = torch.tensor([slots[i] for i in order])  # [B], ascending
+        logits = forward_batch(self.lean, padded, counts, slot_ids, self.cache, keep)  # [sum n, V]
         for row, seq in zip(rows, tokens):
             self._cached[row] = seq.to(torch.long).cpu().clone()
         parts = logits.split(wanted.tolist())  # per row in slot order, [n_b, V]
