@@ -68,8 +68,9 @@ class _Linear:
         # --kernels`, benchmarks/RESULTS.md "Batched forward passes"; the default target's five
         # weight shapes summed, median us, x @ W^T vs packed), 1 thread: M=1 875 vs 2926, M=2 1899 vs
         # 2817, M=4 5465 vs 3821, M=16 8591 vs 5414, M=64 16415 vs 12145; 2 threads (a loaded
-        # machine, an ad-hoc run of the same loop): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714 vs 14998. So the GEMV for
-        # M == 1 and oneDNN packed above (M = 2-3 on one thread is the one mild loss), as for batch 1.
+        # machine, an ad-hoc run of the same loop): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714
+        # vs 14998. So the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is the one
+        # mild loss), as for batch 1.
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if x.numel() > x.shape[-1] and self.packed is not None:
