@@ -84,6 +84,23 @@ class BatchSession(Protocol):
     def release(self, row: int) -> None: ...
 
 
+def check_batch_request(rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> None:
+    """The checks every `BatchSession.logits_for` makes: clear ValueErrors on bad requests."""
+    if len(rows) == 0:
+        raise ValueError("logits_for needs at least one row, got an empty rows list")
+    if not len(rows) == len(tokens) == len(n):
+        raise ValueError(f"rows, tokens and n must have the same length, got "
+                         f"{len(rows)}, {len(tokens)}, {len(n)}")
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"each row may appear once per call, got rows {list(rows)}")
+    for row, seq, count in zip(rows, tokens, n):
+        if not isinstance(seq, Tensor) or seq.ndim != 1:
+            got = getattr(seq, "shape", type(seq))
+            raise ValueError(f"row {row}: tokens must be a 1-D LongTensor, got {got}")
+        if not 1 <= count <= seq.shape[0]:
+            raise ValueError(f"row {row}: need 1 <= n <= len(tokens), got n={count} for {len(seq)} tokens")
+
+
 class PerRowBatchSession:
     """The generic `BatchSession`: one `Session` per row, fed one after the other.
 
@@ -95,6 +112,7 @@ class PerRowBatchSession:
         self._sessions: dict[int, Session] = {}
 
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
+        check_batch_request(rows, tokens, n)
         out = []
         for row, seq, count in zip(rows, tokens, n):
             session = self._sessions.get(row)

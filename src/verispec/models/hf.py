@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from verispec.models.base import CachedSession
+from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class HFModel:
             raise ValueError(f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
         self.backend = "lean" if backend == "lean" or (backend == "auto" and lean.supports(model)) else "hf"
         self._lean = None
+        self._warned_rows = False
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -55,14 +56,31 @@ class HFModel:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def _lean_model(self):
+        from verispec.models.lean import LeanLlama
+
+        if self._lean is None:
+            self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype)
+        return self._lean
+
     def session(self):
         if self.backend == "lean":
-            from verispec.models.lean import LeanLlama, LeanSession
+            from verispec.models.lean import LeanSession
 
-            if self._lean is None:
-                self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype)
-            return LeanSession(self, self._lean)
+            return LeanSession(self, self._lean_model())
         return HFSession(self)
+
+    def batch_session(self) -> BatchSession:
+        """Many rows in one forward pass (lean backend); row by row for transformers' own forward."""
+        if self.backend == "lean":
+            from verispec.models.lean import LeanBatchSession
+
+            return LeanBatchSession(self, self._lean_model())
+        if not self._warned_rows:
+            self._warned_rows = True
+            log.info("%s (%s, transformers backend) decodes batched rows one by one, not in one forward pass",
+                     self.name, self.model.config.model_type)
+        return PerRowBatchSession(self)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -13,15 +13,21 @@ fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens
 verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
 reads the weights at a third of the bandwidth. `_Linear` keeps both layouts (2x weight memory) and
 falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
+
+Batched decoding (`LeanBatchCache`, `forward_batch`, `LeanBatchSession`): many rows in one forward
+pass, each row at its own position in its own cache slot (per-row RoPE, scattered key/value writes,
+a per-row causal mask). Batch 1 keeps `LeanSession`, which skips that bookkeeping.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verispec.models.base import CachedSession
+from verispec.models.base import CachedSession, check_batch_request
 
 
 def supports(model) -> bool:
@@ -57,9 +63,17 @@ class _Linear:
             return None
 
     def __call__(self, x: Tensor) -> Tensor:
+        # Kernel by the GEMM's row count M = B*m, not m: [B, 1, in] with B > 1 is a small-M GEMM,
+        # where `x @ W^T` leaves MKL's GEMV path. Measured (`python benchmarks/batch_forward.py
+        # --kernels`, benchmarks/RESULTS.md "Batched forward passes"; the default target's five
+        # weight shapes summed, median us, x @ W^T vs packed), 1 thread: M=1 875 vs 2926, M=2 1899 vs
+        # 2817, M=4 5465 vs 3821, M=16 8591 vs 5414, M=64 16415 vs 12145; 2 threads (a loaded
+        # machine, an ad-hoc run of the same loop): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714
+        # vs 14998. So the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is the one
+        # mild loss), as for batch 1.
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[-2] > 1 and self.packed is not None:
+        if x.numel() > x.shape[-1] and self.packed is not None:
             flat = x.reshape(-1, x.shape[-1])  # [B*m, in]
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], -1)  # [B, m, out]
@@ -192,3 +206,177 @@ class LeanSession(CachedSession):
     def _feed(self, tokens: Tensor) -> Tensor:
         self.owner.calls += 1
         return self.lean.forward(tokens, self.cache)
+
+
+# -- batched: many rows in one forward pass, each row with its own cache length ----------------------
+
+
+class LeanBatchCache:
+    """Keys/values for R row slots per layer, [R, Hkv, capacity, hd], and per-slot lengths [R].
+
+    Rolling a row back is a shorter length; rows take a free slot (`acquire`) and give it back
+    (`release`). Capacity and slot count grow by doubling. Buffers start zeroed, so masked keys and
+    values beyond a row's length are always finite (a masked score is exactly 0 after the softmax;
+    0 * NaN would not be).
+    """
+
+    def __init__(self, model: LeanLlama, slots: int = 4, capacity: int = 256):
+        self.model = model
+        shape = (slots, model.n_kv, capacity, model.head_dim)
+        self.k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
+        self.v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
+        self.lengths = torch.zeros(slots, dtype=torch.long)  # [R], on the CPU
+        self._free = list(range(slots))
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        old_slots, old_cap = self.slots, self.capacity
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                grown = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))
+                grown[:old_slots, :, :old_cap] = old
+                store[i] = grown
+        if slots > old_slots:
+            self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(slots - old_slots)])
+            self._free += list(range(old_slots, slots))
+
+    def reserve(self, length: int) -> None:
+        """Room for positions 0 .. length-1 in every slot."""
+        if length > self.capacity:
+            self._grow(self.slots, max(length, 2 * self.capacity))
+
+    def acquire(self) -> int:
+        """A free slot (the lowest, so active rows stay packed), its length 0."""
+        if not self._free:
+            self._grow(2 * self.slots, self.capacity)
+        slot = min(self._free)
+        self._free.remove(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not in use")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+
+def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor, cache: LeanBatchCache,
+                  keep: Tensor | None = None) -> Tensor:
+    """One forward pass over several cache slots, each row at its own position.
+
+    tokens [B, m]: right-padded new tokens, row b's first counts[b] are real (m = max counts), fed at
+    positions cache.lengths[slots[b]] + j. Keys/values are scattered at each row's own positions and
+    query j of row b attends to keys 0 .. start_b + j of its slot only (mask [B, 1, m, L]); padded
+    queries are computed and discarded (their keys sit beyond the row's new length, which no real
+    query sees). keep: flat indices into the B*m positions whose logits are wanted (default all).
+    Returns logits [len(keep), V] float32 on the CPU; cache.lengths[slots] += counts.
+    """
+    b, m = tokens.shape
+    dev = lean.device
+    starts = cache.lengths[slots]  # [B]
+    steps = torch.arange(m)
+    positions = starts[:, None] + steps[None]  # [B, m], padded ones included
+    length = int(positions[:, -1].max()) + 1  # keys 0 .. L-1 cover every row's (padded) positions
+    cache.reserve(length)
+    if length > lean.cos.shape[0]:
+        lean._rope(2 * length)
+    pos_dev = positions.to(dev)
+    cos, sin = lean.cos[pos_dev][:, None], lean.sin[pos_dev][:, None]  # [B, 1, m, hd]
+    keys_at = torch.arange(length)
+    mask = (keys_at[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, m, L]
+    slot_dev = slots.to(dev)
+    first = int(slots[0])
+    packed = bool((slots == torch.arange(first, first + b)).all())  # a slice view instead of a gather
+    nq, nkv, hd = lean.n_heads * lean.head_dim, lean.n_kv * lean.head_dim, lean.head_dim
+    gqa = lean.n_kv != lean.n_heads
+    x = lean.embed[tokens.to(dev)]  # [B, m, d]
+    for i, w in enumerate(lean.layers):
+        h = lean._rms(x, w["norm_in"])
+        qkv = w["qkv"](h)  # [B, m, nq + 2 nkv]
+        q = qkv[..., :nq].view(b, m, lean.n_heads, hd).transpose(1, 2)  # [B, H, m, hd]
+        k = qkv[..., nq : nq + nkv].view(b, m, lean.n_kv, hd).transpose(1, 2)  # [B, Hkv, m, hd]
+        v = qkv[..., nq + nkv :].view(b, m, lean.n_kv, hd)  # [B, m, Hkv, hd]
+        q, k = lean._rotate(q, cos, sin), lean._rotate(k, cos, sin)
+        # scatter: cache[slot_b, :, start_b + j] = key j of row b (advanced indices first: [B, m, Hkv, hd])
+        cache.k[i][slot_dev[:, None], :, pos_dev] = k.transpose(1, 2)
+        cache.v[i][slot_dev[:, None], :, pos_dev] = v
+        rows = slice(first, first + b) if packed else slot_dev
+        keys, values = cache.k[i][rows, :, :length], cache.v[i][rows, :, :length]  # [B, Hkv, L, hd]
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        x = x + w["o"](att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
+        h = lean._rms(x, w["norm_post"])
+        gate, up = w["gate_up"](h).chunk(2, -1)
+        x = x + w["down"](F.silu(gate) * up)
+    cache.lengths[slots] = starts + counts
+    x = x.reshape(b * m, -1)  # [B*m, d]
+    if keep is not None:
+        x = x[keep.to(dev)]  # [K, d]
+    return lean.head(lean._rms(x[None], lean.norm))[0].float().cpu()  # [K, V]
+
+
+class LeanBatchSession:
+    """`BatchSession` over a `LeanBatchCache`: per row, keep the longest cached prefix agreeing with
+    the requested tokens (a rollback is a shorter length), then feed the rest of all rows in ONE
+    `forward_batch` pass. Rows are sorted by slot, so a packed set of slots attends through views."""
+
+    def __init__(self, owner, lean: LeanLlama):
+        self.owner, self.lean = owner, lean
+        self.cache = LeanBatchCache(lean)
+        self._slot: dict[int, int] = {}
+        self._cached: dict[int, Tensor] = {}
+
+    def cached(self, row: int) -> Tensor:
+        """The token ids row `row`'s cache holds, [length]."""
+        return self._cached.get(row, torch.zeros(0, dtype=torch.long))
+
+    def release(self, row: int) -> None:
+        slot = self._slot.pop(row, None)
+        self._cached.pop(row, None)
+        if slot is not None:
+            self.cache.release(slot)
+
+    @torch.no_grad()  # not inference_mode: the cache's tensors stay ordinary (release works outside it)
+    def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
+        check_batch_request(rows, tokens, n)
+        feeds, slots = [], []
+        for row, seq, count in zip(rows, tokens, n):
+            seq = seq.to(torch.long).cpu()
+            if row not in self._slot:
+                self._slot[row] = self.cache.acquire()
+            slot = self._slot[row]
+            held = self._cached.get(row, seq[:0])
+            common = min(held.shape[0], seq.shape[0] - count)
+            if common > 0:  # length of the agreeing prefix
+                same = held[:common] == seq[:common]  # [common]
+                common = int(same.to(torch.int64).cumprod(0).sum())
+            self.cache.lengths[slot] = common
+            feeds.append(seq[common:])
+            slots.append(slot)
+        order = sorted(range(len(rows)), key=slots.__getitem__)
+        counts = torch.tensor([feeds[i].shape[0] for i in order])  # [B]
+        width = int(counts.max())
+        padded = torch.zeros(len(order), width, dtype=torch.long)  # [B, m], right-padded with token 0
+        for b, i in enumerate(order):
+            padded[b, : counts[b]] = feeds[i]
+        wanted = torch.tensor([n[i] for i in order])  # [B]
+        # flat indices (b * m + j) of each row's last n_b real positions, rows in slot order
+        ends = torch.arange(len(order)) * width + counts  # [B]
+        keep = torch.cat([torch.arange(int(e) - int(w), int(e)) for e, w in zip(ends, wanted)])  # [sum n]
+        self.owner.calls += 1
+        slot_ids = torch.tensor([slots[i] for i in order])  # [B], ascending
+        logits = forward_batch(self.lean, padded, counts, slot_ids, self.cache, keep)  # [sum n, V]
+        for row, seq in zip(rows, tokens):
+            self._cached[row] = seq.to(torch.long).cpu().clone()
+        parts = logits.split(wanted.tolist())  # per row in slot order, [n_b, V]
+        out: list[Tensor] = [None] * len(rows)  # type: ignore[list-item]
+        for b, i in enumerate(order):
+            out[i] = parts[b]
+        return out

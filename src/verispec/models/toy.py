@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.models.base import CachedSession
+from verispec.models.base import CachedSession, PerRowBatchSession
 
 
 class TabularModel:
@@ -44,6 +44,10 @@ class TabularModel:
 
     def session(self) -> TabularSession:
         return TabularSession(self)
+
+    def batch_session(self) -> PerRowBatchSession:
+        """Row by row (the toy exists for exact tests, not speed)."""
+        return PerRowBatchSession(self)
 
 
 class TabularSession(CachedSession):
