@@ -292,6 +292,9 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
     cos, sin = lean.cos[pos_dev][:, None], lean.sin[pos_dev][:, None]  # [B, 1, m, hd]
     keys_at = torch.arange(length)
     mask = (keys_at[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, m, L]
+    single = b == 1  # one row: the same kernels as the batch-1 `forward` (same rounding, same tokens)
+    if single and m == 1:
+        mask = None  # every cached key is visible
     slot_dev = slots.to(dev)
     first = int(slots[0])
     packed = bool((slots == torch.arange(first, first + b)).all())  # a slice view instead of a gather
@@ -317,9 +320,12 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
         x = x + w["down"](F.silu(gate) * up)
     cache.lengths[slots] = starts + counts
     x = x.reshape(b * m, -1)  # [B*m, d]
-    if keep is not None:
+    if keep is not None and not single:
         x = x[keep.to(dev)]  # [K, d]
-    return lean.head(lean._rms(x[None], lean.norm))[0].float().cpu()  # [K, V]
+    logits = lean.head(lean._rms(x[None], lean.norm))[0]  # [K, V] ([m, V] for one row, as `forward`)
+    if keep is not None and single:
+        logits = logits[keep.to(dev)]
+    return logits.float().cpu()
 
 
 class LeanBatchSession:
