@@ -54,7 +54,8 @@ class CachedSession:
 
     def logits_for(self, tokens: Tensor, n: int) -> Tensor:
         if tokens.ndim != 2 or tokens.shape[1] < n or n < 1:
-            raise ValueError(f"logits_for needs tokens [B, L] with L >= n >= 1, got {tuple(tokens.shape)} and n={n}")
+            raise ValueError(
+                f"logits_for needs tokens [B, L] with L >= n >= 1, got {tuple(tokens.shape)} and n={n}")
         held = self._cached
         common = min(held.shape[1], tokens.shape[1] - n)
         if common > 0:

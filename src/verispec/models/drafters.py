@@ -57,9 +57,11 @@ class ModelDrafter:
         probs: list[list[Tensor]] = [[] for _ in rows]
         for step in range(max(ks, default=0)):
             active = [i for i, k in enumerate(ks) if k > step]
-            logits = self._batch.logits_for([rows[i] for i in active], [seqs[i] for i in active], [1] * len(active))
+            logits = self._batch.logits_for([rows[i] for i in active], [seqs[i] for i in active],
+                                            [1] * len(active))
             q = process(torch.cat(logits), sampling)  # [A, V]
-            uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in active])  # [A]
+            uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64)
+                                  for i in active])  # [A]
             drawn = sample_from(q, uniforms)  # [A]
             for j, i in enumerate(active):
                 tokens[i].append(drawn[j])
@@ -90,7 +92,8 @@ class NGramDrafter:
         found = seq.new_zeros(0)
         for size in range(min(self.n, length - 1), 0, -1):
             pattern = seq[length - size :]
-            windows = seq[: length - 1].unfold(0, size, 1)  # [length - size, size], excludes the suffix itself
+            # [length - size, size]; excludes the suffix itself
+            windows = seq[: length - 1].unfold(0, size, 1)
             hits = (windows == pattern).all(1).nonzero().flatten()
             if hits.numel():
                 start = int(hits[-1]) + size  # the most recent occurrence

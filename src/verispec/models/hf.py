@@ -36,7 +36,8 @@ class HFModel:
         if backend not in ("auto", "lean", "hf"):
             raise ValueError(f"backend must be auto, lean or hf, got {backend!r}")
         if backend == "lean" and not lean.supports(model):
-            raise ValueError(f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
+            raise ValueError(
+                f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
         self.backend = "lean" if backend == "lean" or (backend == "auto" and lean.supports(model)) else "hf"
         self._lean = None
         self._warned_rows = False
@@ -92,7 +93,8 @@ class HFModel:
         """A self-draft: the first `layers` decoder layers plus the final norm and head, sharing weights."""
         total = self.model.config.num_hidden_layers
         if not 1 <= layers < total:
-            raise ValueError(f"self-draft needs 1 <= layers < {total} (the target's layer count), got {layers}")
+            raise ValueError(
+                f"self-draft needs 1 <= layers < {total} (the target's layer count), got {layers}")
         def shallow(module: torch.nn.Module) -> torch.nn.Module:
             # copy.copy shares the `_modules` dict: give the copy its own, or replacing a submodule of
             # the copy would replace it in the target too

@@ -286,7 +286,7 @@ class Rule:
         return self._residual_after(target_probs, draft_probs, rejected_tokens.long())
 
     def emitted(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
-        """Exact law of the token emitted at one draft position (docs/design.md, section 'Rule anatomy'): [..., V]."""
+        """Exact law of the token emitted at one draft position: [..., V] (docs/design.md, 'Rule anatomy')."""
         check_pair(target_probs, draft_probs)
         return self._emitted(target_probs, draft_probs)
 
@@ -392,7 +392,8 @@ class Rule:
             shown = "" if default is dataclasses.MISSING or default is None else f", default {default}"
             params.append(f"{param.key} ({param.allowed}{shown})")
         return {"rule": cls.name, "family": cls.family, "lossless": lossless,
-                "parameters": "; ".join(params) or cls.usage or "-", "what it does": cls.summary, "source": cls.source}
+                "parameters": "; ".join(params) or cls.usage or "-", "what it does": cls.summary,
+                "source": cls.source}
 
     @property
     def spec(self) -> str:
