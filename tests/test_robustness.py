@@ -25,7 +25,8 @@ from verispec.models import ModelDrafter, TabularModel, load_drafter, load_model
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 
-SMALL = ["--suite", "shakespeare", "--rules", "lossless", "--seeds", "0", "--limit", "1", "--max-new-tokens", "4",
+SMALL = ["--suite", "shakespeare", "--rules", "lossless", "--seeds", "0", "--limit", "1", "--max-new-tokens",
+         "4",
          "--no-progress", "--no-report"]
 
 
@@ -139,8 +140,10 @@ def test_overflowing_temperature_decodes_as_greedy(pair):
     assert torch.isfinite(p).all() and torch.equal(p.argmax(-1), logits.argmax(-1))
     assert torch.equal(p, process(logits, SamplingConfig(temperature=0)))
     target, drafter = pair
-    tiny = verispec.generate("To be", target=target, draft=drafter, temperature=1e-39, max_new_tokens=12, seed=3)
-    greedy = verispec.generate("To be", target=target, draft=drafter, temperature=0, max_new_tokens=12, seed=3)
+    tiny = verispec.generate("To be", target=target, draft=drafter, temperature=1e-39, max_new_tokens=12,
+                             seed=3)
+    greedy = verispec.generate("To be", target=target, draft=drafter, temperature=0, max_new_tokens=12,
+                               seed=3)
     assert tiny.token_ids == greedy.token_ids
     assert len(set(tiny.token_ids)) > 1  # not "every token is the last id"
 
@@ -154,7 +157,8 @@ def test_sample_from_refuses_a_non_distribution(row):
 # -- 4. sweep state ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [["--k", "0"], ["--temperatures", "-1"], ["--temperatures", "nan"], ["--limit", "-1"],
+@pytest.mark.parametrize("bad", [["--k", "0"], ["--temperatures", "-1"], ["--temperatures", "nan"],
+                                 ["--limit", "-1"],
                                  ["--seeds", str(2**70)], ["--max-new-tokens", "0"], ["--suite", "nope"],
                                  ["--rules", "lenience:l=7"]])
 def test_bad_sweep_settings_fail_before_anything_is_written(tmp_path, capsys, bad):
@@ -180,7 +184,7 @@ def test_unit_key_and_sweep_json_cover_dtype_device_and_backend(sweep_dir, tmp_p
         SweepSpec(backend="hf"))}
     assert len(keys) == 5
     settings = json.loads((sweep_dir / "sweep.json").read_text())
-    assert settings["dtype"] == "float32" and settings["backend"] == "lean" and settings["schema"] == SCHEMA_VERSION
+    assert (settings["dtype"], settings["backend"], settings["schema"]) == ("float32", "lean", SCHEMA_VERSION)
     row = read_rows(sweep_dir / "results.jsonl")[0]
     assert (row["dtype"], row["device"], row["backend"]) == ("float32", "cpu", "lean")
     d = copy_of(sweep_dir, tmp_path)
@@ -251,7 +255,8 @@ def test_generate_accepts_integer_sequences(pair):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"rule": None}, "rule"), ({"target": None}, "target"), ({"k": 0}, "k"), ({"k": 2.5}, "k"), ({"k": True}, "k"),
+    ({"rule": None}, "rule"), ({"target": None}, "target"), ({"k": 0}, "k"), ({"k": 2.5}, "k"), ({"k": True},
+                                                                                                 "k"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": "1"}, "temperature"),
     ({"temperature": None}, "temperature"), ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"),
     ({"seed": 1.0}, "seed"), ({"device": "cuda:99"}, "device"), ({"device": "nonsense"}, "device"),

@@ -70,7 +70,8 @@ def _is_int(value) -> bool:
     if isinstance(value, int):
         return True
     if isinstance(value, torch.Tensor):
-        return value.ndim == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+        return (value.ndim == 0 and not value.is_floating_point() and not value.is_complex()
+                and value.dtype != torch.bool)
     try:
         import numpy as np
     except ImportError:  # pragma: no cover
@@ -101,13 +102,15 @@ def _check_prompt(prompt) -> str | list[int]:
             raise ValueError("empty prompt: give some text")
         return prompt
     if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise TypeError("prompt must be a str or a sequence of integer token ids, got bytes: decode it to str first")
+        raise TypeError("prompt must be a str or a sequence of integer token ids, got bytes: "
+                        "decode it to str first")
     if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
         if prompt.ndim != 1:
             raise ValueError(f"prompt token ids must be 1-D, got shape {tuple(prompt.shape)}")
         prompt = list(prompt)
     if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"prompt must be a str or a sequence of integer token ids, got {type(prompt).__name__}")
+        raise TypeError(f"prompt must be a str or a sequence of integer token ids, "
+                        f"got {type(prompt).__name__}")
     if not prompt:
         raise ValueError("empty prompt: give at least one token id")
     for i, token in enumerate(prompt):
@@ -132,10 +135,12 @@ def check_device(device) -> str:
         raise ValueError(f"device {device!r} is not a torch device: {err}") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            built = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+            built = ("this torch build has no CUDA support" if torch.version.cuda is None
+                     else "no CUDA device is visible")
             raise ValueError(f"device {device!r} is not available: {built}; use --device cpu")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} is not available: {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"device {device!r} is not available: "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
     elif parsed.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device {device!r} is not available on this machine; use --device cpu")
     elif parsed.type not in ("cpu", "cuda", "mps"):
@@ -147,9 +152,11 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
                          device, dtype, draft_dtype) -> None:
     """Every argument of `generate` except the prompt, checked before any model loads."""
     if not (isinstance(rule, (str, Rule))):
-        raise TypeError(f"rule must be a rule spec str (e.g. 'lossless') or a Rule, got {type(rule).__name__}")
+        raise TypeError(f"rule must be a rule spec str (e.g. 'lossless') or a Rule, "
+                        f"got {type(rule).__name__}")
     if not (isinstance(target, str) or (hasattr(target, "session") and hasattr(target, "vocab_size"))):
-        raise TypeError(f"target must be a model name/path str or a model object, got {type(target).__name__}")
+        raise TypeError(f"target must be a model name/path str or a model object, "
+                        f"got {type(target).__name__}")
     if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose")
             or (hasattr(draft, "session") and hasattr(draft, "vocab_size"))):
         raise TypeError(f"draft must be None, a spec str, a model or a drafter, got {type(draft).__name__}")
@@ -173,7 +180,8 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
         raise TypeError(f"diagnostics must be True or False, got {diagnostics!r}")
     for name, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if not isinstance(value, (str, torch.dtype)):
-            raise TypeError(f"{name} must be a str ({', '.join(DTYPES)}) or a torch.dtype, got {type(value).__name__}")
+            raise TypeError(f"{name} must be a str ({', '.join(DTYPES)}) or a torch.dtype, "
+                            f"got {type(value).__name__}")
         as_dtype(value)
     check_device(device)
 
@@ -184,9 +192,12 @@ def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> l
         return [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt: give some text")
-    tok = model.tokenizer
+    tok = getattr(model, "tokenizer", None)
     if chat is None:
         chat = bool(getattr(tok, "chat_template", None))
+    if chat and not callable(getattr(tok, "apply_chat_template", None)):
+        raise ValueError(f"chat=True but model '{getattr(model, 'name', model)}' has no tokenizer "
+                         "with a chat template")
     if chat:
         out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
@@ -225,7 +236,8 @@ def generate(
     plus max_new_tokens must fit the target's context (checked before decoding)."""
     prompt = _check_prompt(prompt)
     _check_generate_args(target, draft, rule, k, max_new_tokens,
-                         {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "eta": eta},
+                         {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                          "eta": eta},
                          seed, chat, diagnostics, device, dtype, draft_dtype)
     k, max_new_tokens, seed = int(k), int(max_new_tokens), int(seed)
     rule = parse(rule) if isinstance(rule, str) else rule

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _message(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror and err.filename and str(err.filename) not in (err.strerror or ""):
+    if isinstance(err, OSError) and err.strerror and err.filename and str(err.filename) not in err.strerror:
         return f"{err.strerror}: {err.filename}"  # e.g. "Permission denied: runs/x/results.jsonl"
     return str(err)
 

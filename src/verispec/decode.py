@@ -162,7 +162,8 @@ def check_context(model, prompt_len: int, max_new_tokens: int, drafter=None) -> 
         if limit is not None and prompt_len + max_new_tokens > limit:
             name = getattr(obj, "name", None) or getattr(getattr(obj, "model", None), "name", who)
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{prompt_len + max_new_tokens} "
                 f"exceeds the {who} model '{name}' context of {limit} tokens (max_position_embeddings): "
                 f"shorten the prompt or lower max_new_tokens to at most {max(0, limit - prompt_len)}"
             )

@@ -52,9 +52,11 @@ def sample_from(probs: Tensor, uniform: Tensor) -> Tensor:
     the CDF's last column, which the sampling needs anyway.
     """
     if not isinstance(probs, Tensor) or probs.ndim != 2 or probs.shape[-1] < 1:
-        raise ValueError(f"sample_from needs probs [B, V] with V >= 1, got {getattr(probs, 'shape', type(probs))}")
+        got = getattr(probs, "shape", type(probs))
+        raise ValueError(f"sample_from needs probs [B, V] with V >= 1, got {got}")
     if not isinstance(uniform, Tensor) or uniform.shape != probs.shape[:1]:
-        raise ValueError(f"sample_from needs uniform [B] = [{probs.shape[0]}], got {getattr(uniform, 'shape', uniform)}")
+        got = getattr(uniform, "shape", uniform)
+        raise ValueError(f"sample_from needs uniform [B] = [{probs.shape[0]}], got {got}")
     cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
     total = cdf[:, -1]  # [B]
     if probs.shape[0] and not bool((total > 0).all() & (total < math.inf).all() & (probs.amin() >= 0)):

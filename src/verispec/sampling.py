@@ -20,6 +20,12 @@ from verispec.gates import eta_mask, min_p_mask, top_k_mask, top_p_mask
 from verispec.probability import normalize, one_hot_argmax
 
 
+def _whole(value) -> bool:
+    """A finite int or integral float (never a bool)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and int(value) == value)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings; the defaults are plain sampling at temperature 1."""
@@ -34,11 +40,7 @@ class SamplingConfig:
         checks = [
             ("temperature", self.temperature, self.temperature is not None and math.isfinite(self.temperature)
              and self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_k", self.top_k, self.top_k is None or (not isinstance(self.top_k, bool)
-                                                           and isinstance(self.top_k, (int, float))
-                                                           and math.isfinite(self.top_k)
-                                                           and int(self.top_k) == self.top_k and self.top_k >= 1),
-             "integer >= 1"),
+            ("top_k", self.top_k, self.top_k is None or _whole(self.top_k) and self.top_k >= 1, "integer >= 1"),
             ("top_p", self.top_p, self.top_p is None or 0 < self.top_p <= 1, "0 < top_p <= 1"),
             ("min_p", self.min_p, self.min_p is None or 0 < self.min_p <= 1, "0 < min_p <= 1"),
             ("eta", self.eta, self.eta is None or 0 < self.eta < 1, "0 < eta < 1"),

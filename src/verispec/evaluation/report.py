@@ -339,9 +339,10 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
 
 
 # what `summarize` reads from every row, and which of it must be a number
-REQUIRED = ("config", "rule", "family", "k", "temperature", "prompt_id", "seed", "score_name", "score", "proposed",
-            "accepted", "tokens", "target_calls", "seconds", "log_ratio", "target_nll", "mean_tv")
-NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio", "mean_tv")
+REQUIRED = ("config", "rule", "family", "k", "temperature", "prompt_id", "seed", "score_name", "score",
+            "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio", "target_nll", "mean_tv")
+NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio",
+           "mean_tv")
 
 
 def _lines_text(numbers: list[int], most: int = 8) -> str:
@@ -360,10 +361,12 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     bad: dict[str, list[int]] = defaultdict(list)
     for row, line in zip(rows, lines):
         missing = [k for k in REQUIRED if k not in row]
-        wrong = [k for k in NUMERIC if k in row and (isinstance(row[k], bool) or not isinstance(row[k], (int, float)))]
+        wrong = [k for k in NUMERIC
+                 if k in row and (isinstance(row[k], bool) or not isinstance(row[k], (int, float)))]
         if missing or wrong:
-            why = (f"missing {', '.join(missing)}" if missing else "") + ("; " if missing and wrong else "") + (
-                f"not numbers: {', '.join(wrong)}" if wrong else "")
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"not numbers: {', '.join(wrong)}"] if wrong else [])
+            why = "; ".join(parts)
             bad[why].append(line)
             continue
         unit = row.get("unit")
@@ -375,7 +378,8 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     for why, numbers in bad.items():
         notes.append(f"skipped {len(numbers)} row(s) of {path} ({why}): line(s) {_lines_text(numbers)}")
     if duplicates:
-        notes.append(f"found {len(duplicates)} duplicate row(s) of units already present (two writers, or copies); "
+        notes.append(f"found {len(duplicates)} duplicate row(s) of units already present "
+                     "(two writers, or copies); "
                      f"counted each unit once: line(s) {_lines_text(duplicates)}")
     return kept, notes
 
@@ -396,7 +400,8 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None) -
     check_schema(path, scan.rows, scan.lines)
     rows, notes = usable_rows(path, scan.rows, scan.lines)
     if scan.skipped:
-        notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} (invalid JSON or not UTF-8): "
+        notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} "
+                        "(invalid JSON or not UTF-8): "
                         f"line(s) {_lines_text(scan.skipped_lines)}")
     for note in notes:
         logging.getLogger(__name__).warning(note)

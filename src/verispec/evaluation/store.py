@@ -89,8 +89,9 @@ def check_schema(path: Path, rows: list[dict], lines: list[int] | None = None) -
             where = f"{path}:{lines[i]}" if lines else str(path)
             found = row.get("schema")
             age = "an older" if isinstance(found, int) and found < SCHEMA_VERSION else "another (newer?)"
-            raise ValueError(f"{where}: row with schema {found!r} ({age} verispec), this verispec reads and writes "
-                             f"schema {SCHEMA_VERSION}; use a verispec that matches, or a new output directory")
+            raise ValueError(f"{where}: row with schema {found!r} ({age} verispec), this verispec reads "
+                             f"and writes schema {SCHEMA_VERSION}; use a verispec that matches, "
+                             "or a new output directory")
 
 
 class DirectoryLock:

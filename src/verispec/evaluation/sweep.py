@@ -131,7 +131,8 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "schema": SCHEMA_VERSION, "unit": unit_key(spec, item, seed, config),
         "suite": suite.name, "prompt_id": item.id, "prompt_index": index, "seed": seed,
         "target": spec.target, "draft": spec.draft, "dtype": spec.dtype, "draft_dtype": spec.draft_dtype,
-        "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule, "k": config.k,
+        "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule,
+        "k": config.k,
         "temperature": config.temperature, "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
@@ -169,22 +170,26 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise PermissionError(f"cannot create the output directory {out_dir}: {err.strerror or err}") from None
+        raise PermissionError(f"cannot create the output directory {out_dir}: "
+                              f"{err.strerror or err}") from None
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write to the output directory {out_dir}: permission denied")
     spec_path, results_path = out_dir / "sweep.json", out_dir / "results.jsonl"
     with DirectoryLock(out_dir):
         has_rows = results_path.exists() and results_path.stat().st_size > 0
         if has_rows and not resume:
-            raise FileExistsError(f"{results_path} already has results: pass --resume to continue it, or use a new --out")
+            raise FileExistsError(f"{results_path} already has results: pass --resume to continue it, "
+                                  "or use a new --out")
         if has_rows and not spec_path.exists():
-            raise ValueError(f"{results_path} has results but {spec_path} is missing: cannot tell which sweep they "
+            raise ValueError(f"{results_path} has results but {spec_path} is missing: "
+                             "cannot tell which sweep they "
                              "belong to, so refusing to resume; use a new --out")
 
         suite = load_suite(spec.suite).limit(spec.limit)
         configs = spec.configs()
         target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
-        spec = replace(spec, backend=str(getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a")))
+        backend = getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a")
+        spec = replace(spec, backend=str(backend))
         spec_json = _settings_json(spec)
         if has_rows:
             try:
@@ -192,7 +197,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
             except (OSError, UnicodeDecodeError) as err:
                 raise ValueError(f"cannot read {spec_path}: {err}") from None
             if old != spec_json:
-                raise ValueError(f"{spec_path} describes a different sweep (settings, dtype, device, backend or "
+                raise ValueError(f"{spec_path} describes a different sweep "
+                                 "(settings, dtype, device, backend or "
                                  "schema differ); resume with the same settings or use a new --out")
         drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
         max_new = spec.max_new_tokens or suite.max_new_tokens
@@ -202,7 +208,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 check_context(target, len(ids), max_new, drafter)
             except ValueError as err:
                 raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
-        units = [(i, item, seed, c) for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
+        units = [(i, item, seed, c)
+                 for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
         spec_path.write_text(spec_json, encoding="utf-8")
         _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress)
     return results_path

@@ -133,7 +133,8 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
         path, gguf_file = path.parent, path.name
     elif path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f"; it holds GGUF files, give one of them: {', '.join(str(path / g) for g in ggufs[:3])}" if ggufs else ""
+        shown = ", ".join(str(path / g) for g in ggufs[:3])
+        hint = f"; it holds GGUF files, give one of them: {shown}" if ggufs else ""
         raise FileNotFoundError(f"no model in {path}: a model directory needs a config.json and weights "
                                 f"(an AutoModelForCausalLM save), or give a .gguf file{hint}")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
