@@ -163,7 +163,7 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
                               ("cos:w=0.5 k=4 T=1", "cos:w=0.5", "collaborative")):
         for prompt in ("a", "b", "c"):
             rows.append({
-                "schema": 1, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
+                "schema": SCHEMA_VERSION, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
                 "temperature": 1.0, "prompt_id": prompt, "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5,
                 "proposed": 8, "accepted": 5, "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
                 "target_nll": 3.0, "score": 0.5, "score_name": "distinct_2",
