@@ -13,3 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None, print_blob=True)
 settings.register_profile("explore", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("VERISPEC_HYPOTHESIS", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the fuzz suite's input count (tests/test_fuzz.py) in the terminal summary."""
+    for name, module in list(sys.modules.items()):
+        if name.endswith("test_fuzz") and getattr(module, "COUNT", None):
+            count = module.COUNT
+            total = sum(count.values())
+            terminalreporter.write_line(f"verispec fuzz: {total} generated inputs ({dict(count)})")

@@ -18,7 +18,7 @@ import torch
 
 from verispec.evaluation import load_results
 from verispec.evaluation.report import summarize, write_report
-from verispec.evaluation.store import ResultsFile, read_rows
+from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows
 from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.models import load_drafter, load_model
@@ -121,13 +121,13 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
 def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
     path = tmp_path / "results.jsonl"
     with ResultsFile(path) as store:
-        store.append({"schema": 1, "unit": "a", "x": 1})
-        store.append({"schema": 1, "unit": "a", "x": 2})
+        store.append({"schema": SCHEMA_VERSION, "unit": "a", "x": 1})
+        store.append({"schema": SCHEMA_VERSION, "unit": "a", "x": 2})
     with open(path, "a") as f:
-        f.write('{"schema": 1, "unit": "b", "x"')
+        f.write(f'{{"schema": {SCHEMA_VERSION}, "unit": "b", "x"')
     with ResultsFile(path) as store:
         assert store.done == {"a"}
-        store.append({"schema": 1, "unit": "b", "x": 3})
+        store.append({"schema": SCHEMA_VERSION, "unit": "b", "x": 3})
     assert [r["unit"] for r in read_rows(path)] == ["a", "b"]
     assert path.read_text().count("\n") == 2
     path.write_text('{"schema": 99, "unit": "z"}\n')
@@ -142,7 +142,7 @@ def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
     with pytest.raises(ValueError, match="lenience"):
         run_sweep(SweepSpec(rules=("lenience:l=7",)), tmp_path / "x")
     (tmp_path / "y").mkdir()
-    (tmp_path / "y" / "results.jsonl").write_text('{"schema": 1, "unit": "u"}\n')
+    (tmp_path / "y" / "results.jsonl").write_text(f'{{"schema": {SCHEMA_VERSION}, "unit": "u"}}\n')
     with pytest.raises(FileExistsError, match="--resume"):
         run_sweep(SweepSpec(target=TARGET, draft=DRAFT), tmp_path / "y")
 
@@ -167,7 +167,7 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
                               ("cos:w=0.5 k=4 T=1", "cos:w=0.5", "collaborative")):
         for prompt in ("a", "b", "c"):
             rows.append({
-                "schema": 1, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
+                "schema": SCHEMA_VERSION, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
                 "temperature": 1.0, "prompt_id": prompt, "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5,
                 "proposed": 8, "accepted": 5, "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
                 "target_nll": 3.0, "score": 0.5, "score_name": "distinct_2",

@@ -32,7 +32,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
@@ -60,15 +60,144 @@ def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = tor
     return ModelDrafter(draft)
 
 
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+    """A Python, numpy or 0-d torch integer; never a bool (True is not a token id or a count)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    if isinstance(value, torch.Tensor):
+        return (value.ndim == 0 and not value.is_floating_point() and not value.is_complex()
+                and value.dtype != torch.bool)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, np.integer)
+
+
+def _is_number(value) -> bool:
+    """A Python/numpy int or float (never a bool)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)) or _is_int(value):
+        return True
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, np.floating)
+
+
+def _check_prompt(prompt) -> str | list[int]:
+    """A prompt is a non-empty `str` or a non-empty sequence of integer token ids (Python, numpy or
+    torch integers, or a 1-D integer tensor/array); bools, floats, bytes and strings are refused.
+    Returns the text or the ids as a list of Python ints (range against the vocabulary is checked
+    by the decode loop)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt: give some text")
+        return prompt
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError("prompt must be a str or a sequence of integer token ids, got bytes: "
+                        "decode it to str first")
+    if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt token ids must be 1-D, got shape {tuple(prompt.shape)}")
+        prompt = list(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt must be a str or a sequence of integer token ids, "
+                        f"got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token id")
+    for i, token in enumerate(prompt):
+        if not _is_int(token):
+            raise TypeError(f"prompt token ids must be integers (not bool, float or str); "
+                            f"item {i} is {token!r} ({type(token).__name__})")
+    ids = [int(t) for t in prompt]
+    if min(ids) < 0:
+        raise ValueError(f"prompt token ids must be >= 0, got {min(ids)}")
+    return ids
+
+
+def check_device(device) -> str:
+    """A device string torch accepts and that this machine has (`cuda` on a CPU-only torch is refused)."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda', got {type(device).__name__}")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"device {device!r} is not a torch device: {err}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            built = ("this torch build has no CUDA support" if torch.version.cuda is None
+                     else "no CUDA device is visible")
+            raise ValueError(f"device {device!r} is not available: {built}; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} is not available: "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} is not available on this machine; use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {device!r} is not supported; use cpu or cuda")
+    return device
+
+
+def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict, seed, chat, diagnostics,
+                         device, dtype, draft_dtype) -> None:
+    """Every argument of `generate` except the prompt, checked before any model loads."""
+    if not (isinstance(rule, (str, Rule))):
+        raise TypeError(f"rule must be a rule spec str (e.g. 'lossless') or a Rule, "
+                        f"got {type(rule).__name__}")
+    if not (isinstance(target, str) or (hasattr(target, "session") and hasattr(target, "vocab_size"))):
+        raise TypeError(f"target must be a model name/path str or a model object, "
+                        f"got {type(target).__name__}")
+    if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose")
+            or (hasattr(draft, "session") and hasattr(draft, "vocab_size"))):
+        raise TypeError(f"draft must be None, a spec str, a model or a drafter, got {type(draft).__name__}")
+    for name, value in (("k", k), ("max_new_tokens", max_new_tokens)):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {int(value)}")
+    for name, value in sampling.items():
+        if value is not None and not _is_number(value):
+            raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if sampling["temperature"] is None:
+        raise TypeError("temperature must be a number >= 0 (0 = greedy), got None")
+    if not _is_int(seed):
+        raise TypeError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= int(seed) <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**63-1], got {int(seed)}")
+    if chat is not None and not isinstance(chat, bool):
+        raise TypeError(f"chat must be None, True or False, got {chat!r}")
+    if not isinstance(diagnostics, bool):
+        raise TypeError(f"diagnostics must be True or False, got {diagnostics!r}")
+    for name, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
+        if not isinstance(value, (str, torch.dtype)):
+            raise TypeError(f"{name} must be a str ({', '.join(DTYPES)}) or a torch.dtype, "
+                            f"got {type(value).__name__}")
+        as_dtype(value)
+    check_device(device)
+
+
 def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> list[int]:
     """Text -> token ids; instruct models (a tokenizer with a chat template) get it unless chat=False."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt: give some text")
-    tok = model.tokenizer
+    tok = getattr(model, "tokenizer", None)
     if chat is None:
         chat = bool(getattr(tok, "chat_template", None))
+    if chat and not callable(getattr(tok, "apply_chat_template", None)):
+        raise ValueError(f"chat=True but model '{getattr(model, 'name', model)}' has no tokenizer "
+                         "with a chat template")
     if chat:
         out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
@@ -119,9 +248,18 @@ def generate(
     draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
     dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
-    target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU."""
+    target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU.
+
+    Every argument is checked before any model loads (TypeError / ValueError naming it); the prompt
+    plus max_new_tokens must fit the target's context (checked before decoding)."""
+    prompt = _check_prompt(prompt)
+    _check_generate_args(target, draft, rule, k, max_new_tokens,
+                         {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                          "eta": eta},
+                         seed, chat, diagnostics, device, dtype, draft_dtype)
+    k, max_new_tokens, seed = int(k), int(max_new_tokens), int(seed)
     rule = parse(rule) if isinstance(rule, str) else rule
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
+    sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
     target_model = resolve_target(target, device, as_dtype(dtype))
     drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))

@@ -59,8 +59,9 @@ def json_safe(obj):
 def cmd_run(args: argparse.Namespace) -> int:
     import json
 
-    from verispec.api import as_dtype, generate, resolve_target
+    from verispec.api import as_dtype, check_device, generate, resolve_target
 
+    check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))  # fails first, clearly, on a bad model
     draft = args.draft if args.draft is not None else "auto"
     result = generate(
@@ -140,8 +141,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with verispec's one error format: `verispec: error: ...` on stderr, exit status 2."""
+
+    def error(self, message: str):
+        print(f"verispec: error: {self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verispec", description=__doc__)
+    parser = _Parser(prog="verispec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rules = sub.add_parser("rules", help="print the catalogue of verification rules")
     rules.add_argument("--markdown", action="store_true", help="print the README's markdown table")
@@ -215,12 +224,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _message(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror and err.filename and str(err.filename) not in err.strerror:
+        return f"{err.strerror}: {err.filename}"  # e.g. "Permission denied: runs/x/results.jsonl"
+    return str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from verispec.evaluation.store import SweepLockedError
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit:  # --help (0) or a usage error (2, already printed)
+        return exit.code if isinstance(exit.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: a clear message, nothing on stdout
-        print(f"verispec: error: {err}", file=sys.stderr)
+    except (ValueError, OverflowError, OSError, SweepLockedError) as err:
+        # bad input or an unusable file/directory/device: a clear message, no traceback, nothing on stdout
+        print(f"verispec: error: {_message(err)}", file=sys.stderr)
         return 2
 
 

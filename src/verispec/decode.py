@@ -215,6 +215,34 @@ def _check_tokens(ids: Tensor, vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got [{ids.min().item()}, {ids.max().item()}]")
 
 
+def max_context(model) -> int | None:
+    """The most positions `model` can attend to (prompt + generated tokens), or None if unlimited.
+
+    HF/lean models expose `config.max_position_embeddings` as `max_context`; a drafter wrapping a
+    model (`.model`) inherits its model's limit; toy models are unlimited unless given one."""
+    limit = getattr(model, "max_context", None)
+    if limit is None and getattr(model, "model", None) is not None:
+        limit = getattr(model.model, "max_context", None)
+    return int(limit) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_context(model, prompt_len: int, max_new_tokens: int, drafter=None) -> None:
+    """Refuse (ValueError) a prompt + max_new_tokens longer than the model's (or drafter's) context.
+
+    Beyond `max_position_embeddings` a model still produces logits (RoPE simply extrapolates) but
+    they are garbage: the check runs before any forward pass, with the numbers and what to change."""
+    for who, obj in (("target", model), ("draft", drafter)):
+        limit = max_context(obj) if obj is not None else None
+        if limit is not None and prompt_len + max_new_tokens > limit:
+            name = getattr(obj, "name", None) or getattr(getattr(obj, "model", None), "name", who)
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{prompt_len + max_new_tokens} "
+                f"exceeds the {who} model '{name}' context of {limit} tokens (max_position_embeddings): "
+                f"shorten the prompt or lower max_new_tokens to at most {max(0, limit - prompt_len)}"
+            )
+
+
 def _calls(obj) -> int:
     """Forward passes counted by a model (or by a drafter's model); 0 for model-free drafters."""
     if hasattr(obj, "calls"):
@@ -274,6 +302,7 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
         raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})")
     prompt = _as_prompt(prompt_ids)
     _check_tokens(prompt, target.vocab_size)
+    check_context(target, prompt.shape[1], config.max_new_tokens, drafter)
     sampling, eos = config.sampling, target.eos_token_id if config.stop_at_eos else None
     session = target.session()
     drafter.start()
@@ -333,6 +362,7 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
     """Plain decoding of the target with the same sampling settings: the baseline."""
     prompt = _as_prompt(prompt_ids)
     _check_tokens(prompt, target.vocab_size)
+    check_context(target, prompt.shape[1], config.max_new_tokens)
     rule = parse("lossless")
     eos = target.eos_token_id if config.stop_at_eos else None
     session = target.session()

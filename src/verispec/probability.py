@@ -46,9 +46,22 @@ def at(probs: Tensor, tokens: Tensor) -> Tensor:
 def sample_from(probs: Tensor, uniform: Tensor) -> Tensor:
     """Inverse-CDF sample of one token per row: probs [B, V], uniform [B] in [0, 1) -> [B] long.
 
-    Computed in float64; a token with zero probability is never returned.
+    Computed in float64; a token with zero probability is never returned. Raises ValueError on a
+    row that is not a distribution up to scale (NaN, inf, a negative entry, or all zeros) or on
+    mismatched shapes: never a token drawn from garbage. The check costs one reduction (min) plus
+    the CDF's last column, which the sampling needs anyway.
     """
+    if not isinstance(probs, Tensor) or probs.ndim != 2 or probs.shape[-1] < 1:
+        got = getattr(probs, "shape", type(probs))
+        raise ValueError(f"sample_from needs probs [B, V] with V >= 1, got {got}")
+    if not isinstance(uniform, Tensor) or uniform.shape != probs.shape[:1]:
+        got = getattr(uniform, "shape", uniform)
+        raise ValueError(f"sample_from needs uniform [B] = [{probs.shape[0]}], got {got}")
     cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
+    total = cdf[:, -1]  # [B]
+    if probs.shape[0] and not bool((total > 0).all() & (total < math.inf).all() & (probs.amin() >= 0)):
+        raise ValueError("sample_from got a row that is not a distribution (NaN, inf, negative or all-zero "
+                         "probabilities); refusing to sample a token from it")
     target = uniform.to(torch.float64)[:, None] * cdf[:, -1:]  # [B, 1]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
     last_positive = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)  # [B]

@@ -4,7 +4,8 @@ They define the *reference target distribution* the user asked for; honest trunc
 then simply `lossless` verification against the processed target. Processors apply in the order of
 Hugging Face's logits warpers (temperature, top-k, top-p, min-p, eta), each to the renormalised
 output of the previous one, using the same gates as the truncation verifiers (`verispec.gates`).
-Temperature 0 means greedy: the processed distribution is one-hot on the argmax.
+Temperature 0 means greedy: the processed distribution is one-hot on the argmax; so does a positive
+temperature small enough that the scaled logits overflow (see `process`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from torch import Tensor
 
 from verispec.gates import eta_mask, min_p_mask, top_k_mask, top_p_mask
 from verispec.probability import normalize, one_hot_argmax
+
+
+def _whole(value) -> bool:
+    """A finite int or integral float (never a bool)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and int(value) == value)
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class SamplingConfig:
         checks = [
             ("temperature", self.temperature, self.temperature is not None and math.isfinite(self.temperature)
              and self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_k", self.top_k, self.top_k is None or (int(self.top_k) == self.top_k and self.top_k >= 1), "integer >= 1"),
+            ("top_k", self.top_k, self.top_k is None or _whole(self.top_k) and self.top_k >= 1, "integer >= 1"),
             ("top_p", self.top_p, self.top_p is None or 0 < self.top_p <= 1, "0 < top_p <= 1"),
             ("min_p", self.min_p, self.min_p is None or 0 < self.min_p <= 1, "0 < min_p <= 1"),
             ("eta", self.eta, self.eta is None or 0 < self.eta < 1, "0 < eta < 1"),
@@ -69,6 +76,11 @@ def process(logits: Tensor, config: SamplingConfig, dtype: torch.dtype = torch.f
     """Logits [..., V] -> the processed target distribution [..., V] in `dtype`.
 
     Raises ValueError on NaN logits or rows that are all -inf (no token possible).
+
+    A temperature so small that `logits / temperature` overflows (e.g. 1e-39 in float32: the scaled
+    row is +-inf and its softmax NaN) is decoded as greedy decoding, row by row: the processed law is
+    one-hot on the argmax, the limit of the tempered softmax as the temperature goes to 0 (for a
+    unique maximum). The check is on the scaled logits, after the division, in one reduction.
     """
     row_max = logits.amax(-1)  # one pass: NaN propagates, +inf shows, an all -inf row shows
     if not bool(torch.isfinite(row_max).all()):
@@ -78,5 +90,9 @@ def process(logits: Tensor, config: SamplingConfig, dtype: torch.dtype = torch.f
     logits = logits.to(dtype)
     if config.greedy:
         return one_hot_argmax(logits)
-    probs = (logits / config.temperature).softmax(-1)
+    scaled = logits / config.temperature
+    overflow = ~torch.isfinite(scaled.amax(-1))  # [...]: +-inf max after the division (finite before)
+    probs = scaled.softmax(-1)
+    if bool(overflow.any()):
+        probs = torch.where(overflow[..., None], one_hot_argmax(logits), probs)
     return truncate(probs, config) if config.truncates else probs

@@ -9,5 +9,7 @@ def load_results(path: str | Path):
     """All rows of a sweep as a pandas DataFrame (one row per prompt x config x seed)."""
     import pandas as pd
 
+    from verispec.evaluation.store import read_rows
+
     path = Path(path)
-    return pd.read_json(path / "results.jsonl" if path.is_dir() else path, lines=True)
+    return pd.DataFrame(read_rows(path / "results.jsonl" if path.is_dir() else path))

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, stdev
 
-from verispec.evaluation.store import read_rows
+from verispec.evaluation.store import check_schema, scan_rows
 from verispec.tables import text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
@@ -260,8 +260,12 @@ def plots(summary: list[dict]) -> dict[str, str]:
 
     fig, ax = plt.subplots(figsize=(7, 0.45 * max(4, len(rows)) + 1))
     data = [[math.log10(max(v, 1e-12)) for v in _finite(s["accepted_overshoot"])] or [0.0] for s in rows]
-    ax.boxplot(data, orientation="horizontal", tick_labels=[s["config"].replace(",resample=target", "") for s in rows],
-               showfliers=True, flierprops={"markersize": 2})
+    if rows:
+        ax.boxplot(data, orientation="horizontal",
+                   tick_labels=[s["config"].replace(",resample=target", "") for s in rows],
+                   showfliers=True, flierprops={"markersize": 2})
+    else:  # a sweep with plain decoding rows only: nothing was drafted
+        ax.text(0.5, 0.5, "no speculative decoding rows", ha="center", va="center", transform=ax.transAxes)
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_xlabel("log10 q(x)/p(x) of accepted draft tokens (overshoot > 0)")
     ax.tick_params(axis="y", labelsize=7)
@@ -331,20 +335,88 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
     return "".join(parts)
 
 
+# what `summarize` reads from every row, and which of it must be a number
+REQUIRED = ("config", "rule", "family", "k", "temperature", "prompt_id", "seed", "score_name", "score",
+            "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio", "target_nll", "mean_tv")
+NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio",
+           "mean_tv")
+
+
+def _lines_text(numbers: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(n) for n in numbers[:most])
+    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
+
+
+def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[dict], list[str]]:
+    """Rows the report can summarise, and one note per problem: duplicate units (the first copy is
+    kept: two copies of one unit are one sample, not two), rows missing keys or with non-numbers
+    (skipped, named with their keys and line numbers)."""
+    notes: list[str] = []
+    seen: set = set()
+    kept: list[dict] = []
+    duplicates: list[int] = []
+    bad: dict[str, list[int]] = defaultdict(list)
+    for row, line in zip(rows, lines):
+        missing = [k for k in REQUIRED if k not in row]
+        wrong = [k for k in NUMERIC
+                 if k in row and (isinstance(row[k], bool) or not isinstance(row[k], (int, float)))]
+        if missing or wrong:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"not numbers: {', '.join(wrong)}"] if wrong else [])
+            why = "; ".join(parts)
+            bad[why].append(line)
+            continue
+        unit = row.get("unit")
+        if unit is not None and unit in seen:
+            duplicates.append(line)
+            continue
+        seen.add(unit)
+        kept.append(row)
+    for why, numbers in bad.items():
+        notes.append(f"skipped {len(numbers)} row(s) of {path} ({why}): line(s) {_lines_text(numbers)}")
+    if duplicates:
+        notes.append(f"found {len(duplicates)} duplicate row(s) of units already present "
+                     "(two writers, or copies); "
+                     f"counted each unit once: line(s) {_lines_text(duplicates)}")
+    return kept, notes
+
+
 def write_report(results_dir: str | Path, html_path: str | Path | None = None) -> tuple[str, Path]:
-    """Summarise OUT_DIR/results.jsonl: returns the terminal table and the path of the HTML report."""
+    """Summarise OUT_DIR/results.jsonl: returns the terminal table and the path of the HTML report.
+
+    Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
+    schema version are refused with both version numbers; an unreadable file is named with the reason."""
     import json
+    import logging
 
     results_dir = Path(results_dir)
     path = results_dir / "results.jsonl" if results_dir.is_dir() else results_dir
-    rows = read_rows(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
+    scan = scan_rows(path)
+    check_schema(path, scan.rows, scan.lines)
+    rows, notes = usable_rows(path, scan.rows, scan.lines)
+    if scan.skipped:
+        notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} "
+                        "(invalid JSON or not UTF-8): "
+                        f"line(s) {_lines_text(scan.skipped_lines)}")
+    for note in notes:
+        logging.getLogger(__name__).warning(note)
     if not rows:
-        raise ValueError(f"no results in {path}")
+        raise ValueError(f"no usable results in {path}" + (": " + "; ".join(notes) if notes else ""))
     summary = summarize(rows)
     spec_file = path.parent / "sweep.json"
-    meta = json.loads(spec_file.read_text()) if spec_file.exists() else {}
-    meta = {k: v for k, v in meta.items() if k in ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit")}
+    try:
+        meta = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
+    except (OSError, ValueError) as err:
+        notes.append(f"could not read {spec_file}: {err}")
+        meta = {}
+    keys = ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit", "dtype", "device", "backend")
+    meta = {k: v for k, v in meta.items() if k in keys} if isinstance(meta, dict) else {}
     meta["rows"] = len(rows)
+    for i, note in enumerate(notes):
+        meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
     html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
-    return terminal_table(summary), html_path
+    table = terminal_table(summary)
+    return table + "".join(f"\nnote: {n}" for n in notes), html_path

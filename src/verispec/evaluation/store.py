@@ -1,35 +1,135 @@
-"""The results store: one JSONL file, one row per finished unit, crash-safe.
+"""The results store: one JSONL file, one row per finished unit, crash-safe, one writer at a time.
 
 Each row is written with a single `write` of one complete line, then flushed and fsync'ed before the
 next unit starts. A process killed at any moment (SIGKILL included) leaves at most one partial last
 line: `ResultsFile` cuts it off on open, so at most the unit in flight is lost. Rows carry a `unit`
-key; a unit already present is never appended again.
+key; a unit already present is never appended again. Any other unreadable line (invalid JSON,
+non-UTF-8 bytes, not an object) is skipped with a warning naming its file and line number, and
+counted (`ScanResult.skipped`): never a crash, never silent. `DirectoryLock` makes a sweep's output
+directory exclusive (`fcntl.flock`, non-blocking): a second writer is refused with the holder's pid.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
+# 2: rows and units carry dtype, draft_dtype, device and backend (schema 1 rows did not)
+SCHEMA_VERSION = 2
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Complete rows of a results file (a partial last line is ignored)."""
+class SweepLockedError(RuntimeError):
+    """Another process holds the output directory's lock."""
+
+
+@dataclass
+class ScanResult:
+    rows: list[dict] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # 1-based line number of each row
+    skipped: list[str] = field(default_factory=list)  # one message per skipped line
+    skipped_lines: list[int] = field(default_factory=list)
+    partial_last_line: bool = False
+
+
+def _unreadable(path: Path, err: OSError) -> ValueError:
+    return ValueError(f"cannot read {path}: {err.strerror or err}")
+
+
+def scan_rows(path: Path) -> ScanResult:
+    """Rows of a results file with their line numbers; bad lines are skipped, logged and counted.
+
+    A last line without its newline is the unit a kill interrupted: ignored quietly (`ResultsFile`
+    cuts it). Raises ValueError naming the path if the file cannot be read at all."""
+    out = ScanResult()
+    path = Path(path)
     if not path.exists():
-        return []
-    rows = []
-    with open(path, "rb") as f:
-        data = f.read()
-    for line in data.split(b"\n"):
+        return out
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise _unreadable(path, err) from None
+    lines = data.split(b"\n")
+    last = len(lines) - 1  # data.split leaves b"" after a final newline
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # only the last line can be partial: the unit that was in flight
-    return rows
+            row = json.loads(line.decode("utf-8"))
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except (UnicodeDecodeError, ValueError) as err:
+            if number - 1 == last:  # no newline after it: the unit in flight when a kill came
+                out.partial_last_line = True
+                continue
+            reason = "not UTF-8" if isinstance(err, UnicodeDecodeError) else f"invalid JSON ({err})"
+            message = f"{path}:{number}: skipped an unreadable line: {reason}"
+            log.warning(message)
+            out.skipped.append(message)
+            out.skipped_lines.append(number)
+            continue
+        out.rows.append(row)
+        out.lines.append(number)
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Complete rows of a results file (a partial last line is ignored; bad lines are logged, skipped)."""
+    return scan_rows(path).rows
+
+
+def check_schema(path: Path, rows: list[dict], lines: list[int] | None = None) -> None:
+    """Refuse rows written by another schema version, with both version numbers."""
+    for i, row in enumerate(rows):
+        if row.get("schema") != SCHEMA_VERSION:
+            where = f"{path}:{lines[i]}" if lines else str(path)
+            found = row.get("schema")
+            age = "an older" if isinstance(found, int) and found < SCHEMA_VERSION else "another (newer?)"
+            raise ValueError(f"{where}: row with schema {found!r} ({age} verispec), this verispec reads "
+                             f"and writes schema {SCHEMA_VERSION}; use a verispec that matches, "
+                             "or a new output directory")
+
+
+class DirectoryLock:
+    """An exclusive, non-blocking `fcntl.flock` on DIR/.lock, holding the owner's pid; released on close
+    (and by the OS when the process dies, so a killed sweep never leaves a stale lock)."""
+
+    def __init__(self, directory: Path):
+        import fcntl
+
+        self.path = Path(directory) / ".lock"
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise PermissionError(f"cannot write to {directory}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(self._fd)
+            raise SweepLockedError(f"{directory} is in use by another verispec process (pid {holder}); "
+                                   "wait for it to finish or use another --out") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def close(self) -> None:
+        import fcntl
+
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class ResultsFile:
@@ -37,12 +137,10 @@ class ResultsFile:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
-        self.rows = read_rows(path)
-        for row in self.rows:
-            if row.get("schema") != SCHEMA_VERSION:
-                raise ValueError(f"{path}: row with schema {row.get('schema')!r}, this verispec writes "
-                                 f"schema {SCHEMA_VERSION}; use a new output directory")
-        self.done = {row["unit"] for row in self.rows}
+        scan = scan_rows(path)
+        self.rows, self.skipped = scan.rows, scan.skipped
+        check_schema(path, self.rows, scan.lines)
+        self.done = {row["unit"] for row in self.rows if "unit" in row}
         self._file = open(path, "a", encoding="utf-8")
 
     def _repair(self) -> None:

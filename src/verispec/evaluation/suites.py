@@ -157,7 +157,13 @@ def load_suite(spec: str) -> Suite:
             raise ValueError(f"suite '{name}' reads a local file: use {name}:PATH/TO/FILE.jsonl")
         if not Path(path).exists():
             raise FileNotFoundError(f"suite file not found: {path}")
-        return FILE_SUITES.get(name)(path)
+        if Path(path).is_dir():
+            raise ValueError(f"suite '{name}' reads a JSONL file, but {path} is a directory")
+        try:
+            return FILE_SUITES.get(name)(path)
+        except (KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not a {name} JSONL file (one JSON object per line with its fields): "
+                             f"{type(err).__name__}: {err}") from None
     if name in SUITES and path:
         raise ValueError(f"suite '{name}' takes no argument, got {spec!r}")
     if name not in SUITES:

@@ -15,12 +15,13 @@ import json
 import logging
 import math
 import sys
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile
+from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile
 from verispec.evaluation.suites import Item, Suite, load_suite
 from verispec.decode import DecodeConfig, Generation, autoregressive_decode, speculative_decode
 from verispec.rules import honest_baseline, parse
@@ -57,6 +58,38 @@ class SweepSpec:
     device: str = "cpu"
     dtype: str = "float32"  # the target's compute dtype
     draft_dtype: str = "float32"
+    backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
+
+    def validate(self) -> None:
+        """Every setting checked (ValueError / TypeError naming it) before anything is written."""
+        from verispec.api import DTYPES, check_device
+
+        for name in ("suite", "target", "draft"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"sweep {name} must be a non-empty string, got {getattr(self, name)!r}")
+        load_suite(self.suite)  # unknown suite, missing file
+        for name, values in (("rules", self.rules), ("temperatures", self.temperatures), ("ks", self.ks),
+                             ("seeds", self.seeds)):
+            if not values:
+                raise ValueError(f"sweep {name} must not be empty")
+        for t in self.temperatures:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        for k in self.ks:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {k!r}")
+        for seed in self.seeds:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SWEEP_SEED:
+                raise ValueError(f"seed must be an integer in [0, 2**40], got {seed!r}")
+        for name in ("limit", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or unset), got {value!r}")
+        for name in ("dtype", "draft_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        check_device(self.device)
+        self.configs()  # parses every rule spec
 
     def configs(self) -> list[RunConfig]:
         """The grid, baselines included: plain, lossless and honest truncation samplers."""
@@ -73,8 +106,13 @@ class SweepSpec:
         return out
 
 
+MAX_SWEEP_SEED = 2**40  # a unit's generator is seeded with seed * 1_000_003 + prompt index (< 2**64)
+
+
 def unit_key(spec: SweepSpec, item: Item, seed: int, config: RunConfig) -> str:
-    raw = json.dumps([spec.suite, spec.target, spec.draft, item.id, seed, config.id, spec.max_new_tokens])
+    """The identity of a unit: every setting that changes its result (models, dtypes, device, backend)."""
+    raw = json.dumps([SCHEMA_VERSION, spec.suite, spec.target, spec.draft, item.id, seed, config.id,
+                      spec.max_new_tokens, spec.dtype, spec.draft_dtype, spec.device, spec.backend])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -93,7 +131,9 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
     return {
         "schema": SCHEMA_VERSION, "unit": unit_key(spec, item, seed, config),
         "suite": suite.name, "prompt_id": item.id, "prompt_index": index, "seed": seed,
-        "target": spec.target, "draft": spec.draft, "config": config.id, "rule": config.rule, "k": config.k,
+        "target": spec.target, "draft": spec.draft, "dtype": spec.dtype, "draft_dtype": spec.draft_dtype,
+        "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule,
+        "k": config.k,
         "temperature": config.temperature, "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
@@ -112,28 +152,71 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="run", desc="sweep", file=sys.stderr, dynamic_ncols=True)
 
 
+def _settings_json(spec: SweepSpec) -> str:
+    return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec)}, indent=2, sort_keys=True) + "\n"
+
+
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True) -> Path:
-    """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the spec to OUT_DIR/sweep.json."""
+    """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
+
+    Order: every setting is validated, the directory locked (one writer at a time), the models loaded
+    and every prompt checked against the context, and only then is anything written. `resume`
+    continues only the sweep `sweep.json` describes (same settings, dtypes, device and backend);
+    without a `sweep.json` it refuses rather than guess whose rows `results.jsonl` holds."""
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
+    from verispec.decode import check_context
 
+    spec.validate()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PermissionError(f"cannot create the output directory {out_dir}: "
+                              f"{err.strerror or err}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write to the output directory {out_dir}: permission denied")
     spec_path, results_path = out_dir / "sweep.json", out_dir / "results.jsonl"
-    spec_json = json.dumps(asdict(spec), indent=2, sort_keys=True)
-    if results_path.exists() and results_path.stat().st_size and not resume:
-        raise FileExistsError(f"{results_path} already has results: pass --resume to continue it, or use a new --out")
-    if resume and spec_path.exists() and spec_path.read_text() != spec_json + "\n":
-        raise ValueError(f"{spec_path} describes a different sweep; resume with the same settings or use a new --out")
-    spec_path.write_text(spec_json + "\n")
+    with DirectoryLock(out_dir):
+        has_rows = results_path.exists() and results_path.stat().st_size > 0
+        if has_rows and not resume:
+            raise FileExistsError(f"{results_path} already has results: pass --resume to continue it, "
+                                  "or use a new --out")
+        if has_rows and not spec_path.exists():
+            raise ValueError(f"{results_path} has results but {spec_path} is missing: "
+                             "cannot tell which sweep they "
+                             "belong to, so refusing to resume; use a new --out")
 
-    suite = load_suite(spec.suite).limit(spec.limit)
-    configs = spec.configs()
-    target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
-    drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
-    max_new = spec.max_new_tokens or suite.max_new_tokens
-    prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
-    units = [(i, item, seed, c) for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
+        suite = load_suite(spec.suite).limit(spec.limit)
+        configs = spec.configs()
+        target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+        backend = getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a")
+        spec = replace(spec, backend=str(backend))
+        spec_json = _settings_json(spec)
+        if has_rows:
+            try:
+                old = spec_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"cannot read {spec_path}: {err}") from None
+            if old != spec_json:
+                raise ValueError(f"{spec_path} describes a different sweep "
+                                 "(settings, dtype, device, backend or "
+                                 "schema differ); resume with the same settings or use a new --out")
+        drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
+        max_new = spec.max_new_tokens or suite.max_new_tokens
+        prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
+        for item, ids in zip(suite.items, prompts):
+            try:
+                check_context(target, len(ids), max_new, drafter)
+            except ValueError as err:
+                raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
+        units = [(i, item, seed, c)
+                 for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
+        spec_path.write_text(spec_json, encoding="utf-8")
+        _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress)
+    return results_path
 
+
+def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress) -> None:
     with ResultsFile(results_path) as store:
         todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in store.done]
         bar = _progress(len(units), len(units) - len(todo), progress)
@@ -154,4 +237,3 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 bar.update(1)
         if bar is not None:
             bar.close()
-    return results_path

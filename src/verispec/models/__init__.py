@@ -112,6 +112,10 @@ def load_drafter(spec: str, target, device: str = "cpu", dtype: torch.dtype = to
         params = DRAFTERS.get(kind)
         values = parse_params("drafter", kind, args, params, required=tuple(p.key for p in params))
         if kind == "self":
+            if not callable(getattr(target, "truncated", None)):
+                raise ValueError("self:layers=N needs a transformer target; "
+                                 f"{getattr(target, 'name', target)!r} "
+                                 "has no layers to share")
             return ModelDrafter(target.truncated(int(values["layers"])))
         return NGramDrafter(int(values["n"]), target.vocab_size)
     draft = load_model(spec, device, dtype)

@@ -48,6 +48,9 @@ class HFModel:
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else model.config.eos_token_id
         self.calls = 0
+        # the most positions the model attends to (prompt + generated); checked by decode.check_context
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = int(limit) if isinstance(limit, int) and limit > 0 else None
 
     @property
     def device(self) -> torch.device:
@@ -148,6 +151,12 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; give a model directory or a GGUF file")
         path, gguf_file = path.parent, path.name
+    elif path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        shown = ", ".join(str(path / g) for g in ggufs[:3])
+        hint = f"; it holds GGUF files, give one of them: {shown}" if ggufs else ""
+        raise FileNotFoundError(f"no model in {path}: a model directory needs a config.json and weights "
+                                f"(an AutoModelForCausalLM save), or give a .gguf file{hint}")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)

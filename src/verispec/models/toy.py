@@ -16,7 +16,8 @@ from verispec.models.base import CachedSession, PerRowBatchSession
 class TabularModel:
     """An order-n Markov language model over V tokens given by a logits table [(V+1)]*n + [V]."""
 
-    def __init__(self, table: Tensor, name: str = "toy", eos_token_id: int | None = None):
+    def __init__(self, table: Tensor, name: str = "toy", eos_token_id: int | None = None,
+                 max_context: int | None = None):
         order = table.ndim - 1
         v = table.shape[-1]
         if order < 1 or any(s != v + 1 for s in table.shape[:-1]):
@@ -26,6 +27,7 @@ class TabularModel:
         self.vocab_size = v
         self.name = name
         self.eos_token_id = eos_token_id
+        self.max_context = max_context  # None: unlimited (a Markov table has no position limit)
         self.calls = 0
 
     @classmethod
