@@ -363,3 +363,20 @@ def test_default_pair_batch_of_one_equals_speculative_decode(pair, suite_prompts
     assert_same(batched, single)
     [plain_b] = autoregressive_decode_batch(target, suite_prompts[1:2], config, gens(1, 6))
     assert_same(plain_b, autoregressive_decode(target, suite_prompts[1], config, seeded(6)))
+
+
+def test_a_row_beyond_the_context_is_refused_before_any_work():
+    """Decision (docs in BatchDecoder.add / _run_batch): a row whose prompt + max_new_tokens exceeds the
+    model's context refuses the whole call up front, naming the row; nothing is decoded."""
+    target = TabularModel.random(V, order=2, seed=3, max_context=20)
+    drafter = ModelDrafter(TabularModel.random(V, order=1, seed=4))
+    config = DecodeConfig(k=2, max_new_tokens=8)
+    prompts = [[1, 2], [0] * 15, [2]]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    with pytest.raises(ValueError, match=r"prompt 1: prompt \(15 tokens\) \+ max_new_tokens \(8\)"):
+        speculative_decode_batch(target, drafter, prompts, "lossless", config, gens)
+    assert target.calls == 0
+    decoder = BatchDecoder(target, drafter, "lossless", config)
+    with pytest.raises(ValueError, match="context of 20 tokens"):
+        decoder.add([0] * 13, torch.Generator())
+    assert decoder.active == []

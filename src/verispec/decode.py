@@ -489,6 +489,7 @@ class BatchDecoder:
                              f"({self.config.sampling}), got {config.sampling}")
         prompt = _as_prompt(prompt_ids)[0]  # [L0]
         _check_tokens(prompt, self.target.vocab_size)
+        check_context(self.target, prompt.shape[0], config.max_new_tokens, self.drafter)
         row = self._next_id
         self._next_id += 1
         eos = self.target.eos_token_id if config.stop_at_eos else None
@@ -617,6 +618,12 @@ def _run_batch(decoder: BatchDecoder, prompts, generators) -> list[Generation]:
     if len(generators) != len(prompts):
         raise ValueError(f"need one generator per prompt: {len(prompts)} prompts, "
                          f"{len(generators)} generators")
+    for i, prompt in enumerate(prompts):  # every row checked before any work: a bad row names itself
+        try:
+            check_context(decoder.target, len(_as_prompt(prompt)[0]), decoder.config.max_new_tokens,
+                          decoder.drafter)
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
     ids = [decoder.add(prompt, gen) for prompt, gen in zip(prompts, generators)]
     done: dict[int, Generation] = {}
     while decoder.active:
@@ -628,8 +635,6 @@ def speculative_decode_batch(target: LanguageModel, drafter, prompts: list[list[
                              config: DecodeConfig, generators: list[torch.Generator]) -> list[Generation]:
     """Speculative decoding of many prompts at once; row i equals `speculative_decode(target, drafter,
     prompts[i], rule, config, generators[i])` (same draws from its own generator, in the same order)."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
     return _run_batch(BatchDecoder(target, drafter, rule, config), prompts, generators)
 
 
@@ -637,6 +642,4 @@ def autoregressive_decode_batch(target: LanguageModel, prompts: list[list[int]],
                                 generators: list[torch.Generator]) -> list[Generation]:
     """Plain decoding of many prompts at once; row i equals `autoregressive_decode(target, prompts[i],
     config, generators[i])`."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
     return _run_batch(BatchDecoder(target, None, config=config), prompts, generators)
