@@ -27,7 +27,8 @@ from verispec.sampling import SamplingConfig
 
 TARGET = os.environ.get("VERISPEC_TEST_TARGET", "default")
 DRAFT = os.environ.get("VERISPEC_TEST_DRAFT", "default-draft")
-TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds"}
+TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds",
+          "batch_size", "batch_seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +80,35 @@ def bench_cmd(out: Path, *extra: str) -> list[str]:
             "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
 
 
+@pytest.mark.slow
+def test_sweep_results_do_not_depend_on_the_batch_size(tmp_path):
+    """Rows decoded 4 at a time equal rows decoded one by one: same units, same tokens; the per-step
+    statistics agree to float rounding (batched matmuls round differently: 1e-5 relative here)."""
+    results = {}
+    for size in (1, 4):
+        done = subprocess.run(bench_cmd(tmp_path / f"b{size}", "--batch-size", str(size), "--no-report"),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        results[size] = {r["unit"]: r for r in read_rows(tmp_path / f"b{size}" / "results.jsonl")}
+    assert results[1].keys() == results[4].keys()
+    assert {r["batch_size"] for r in results[4].values()} == {4, 2}  # 6 (prompt, seed) rows: 4 + 2
+    for unit, one in results[1].items():
+        four = results[4][unit]
+        assert one["token_ids"] == four["token_ids"], unit
+        for key in ("mean_tv", "mean_kl", "log_ratio", "target_nll", "acceptance_rate"):
+            a, b = one[key], four[key]
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6) or (a != a and b != b), (unit, key, a, b)
+
+
 def comparable(rows: list[dict]) -> dict:
     return {r["unit"]: {k: v for k, v in r.items() if k not in TIMING} for r in rows}
 
 
 @pytest.mark.slow
 def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
+    """Batch size 1: every row decoded alone, so a resumed sweep must reproduce the rows exactly."""
     full = tmp_path / "full"
-    done = subprocess.run(bench_cmd(full), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(bench_cmd(full, "--batch-size", "1"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "HTML report:" in done.stdout
     expected = comparable(read_rows(full / "results.jsonl"))
@@ -94,7 +116,7 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
 
     killed = tmp_path / "killed"
     for stop_after in (4, 13):  # kill twice, at different points, with SIGKILL
-        proc = subprocess.Popen(bench_cmd(killed, *(["--resume"] if stop_after > 4 else [])),
+        proc = subprocess.Popen(bench_cmd(killed, "--batch-size", "1", *(["--resume"] if stop_after > 4 else [])),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 300
         while time.time() < deadline and len(read_rows(killed / "results.jsonl")) < stop_after and proc.poll() is None:
@@ -104,7 +126,7 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
         assert len(read_rows(killed / "results.jsonl")) < len(expected)
     with open(killed / "results.jsonl", "a") as f:
         f.write('{"schema": 1, "unit": "partial')  # a row cut in the middle of its write
-    resumed = subprocess.run(bench_cmd(killed, "--resume"), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(bench_cmd(killed, "--batch-size", "1", "--resume"), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     rows = read_rows(killed / "results.jsonl")
     assert len(rows) == len({r["unit"] for r in rows}), "a unit was written twice"

@@ -1,9 +1,10 @@
 """The diagnostic report of a sweep: speed, shift and quality of every rule, side by side.
 
 `summarize(rows)` aggregates the results rows per config; `terminal_table` and `write_html` render
-it. Definitions (docs/design.md, section 'Words'): acceptance rate = accepted / proposed draft tokens; block
-efficiency = emitted tokens / target forward passes; speedup = tokens/s of the config / tokens/s of
-plain decoding over the same (prompt, seed) units of the same sweep, run interleaved.
+it. Definitions (docs/design.md, section 'Words'): acceptance rate = accepted / proposed draft
+tokens; block efficiency = emitted tokens / target forward passes; speedup = throughput of the config
+/ throughput of plain decoding over the same (prompt, seed) units of the same sweep, run interleaved at
+the same batch size (a row's time is its batch's wall time / batch size).
 Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
 (score differences against the config's baseline: the honest truncation sampler for a truncation
 rule, lossless speculative decoding otherwise, plain decoding for lossless itself).
@@ -55,6 +56,14 @@ def baseline_of(config_rule: str) -> str | None:
     return honest.spec if honest is not None else "lossless"
 
 
+def _row_seconds(row: dict) -> float:
+    """A row's share of the wall time of the batch it was decoded in (its own time at batch 1), so
+    tokens / seconds is throughput at that batch size."""
+    if "batch_seconds" in row:
+        return float(row["batch_seconds"]) / max(1, int(row.get("batch_size", 1)))
+    return float(row["seconds"])
+
+
 def _finite(xs) -> list[float]:
     return [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
 
@@ -91,14 +100,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["block_efficiency"] = sum(r["tokens"] for r in group) / max(1, sum(r["target_calls"] for r in group))
         plain_id = config_of.get(("plain", 0, r0["temperature"]))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
-        pairs = [(a, b) for a, b in pairs if b is not None and a["seconds"] > 0 and b["seconds"] > 0]
+        pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0]
         if pairs:
-            mine = sum(a["tokens"] for a, _ in pairs) / sum(a["seconds"] for a, _ in pairs)
-            plain = sum(b["tokens"] for _, b in pairs) / sum(b["seconds"] for _, b in pairs)
+            mine = sum(a["tokens"] for a, _ in pairs) / sum(_row_seconds(a) for a, _ in pairs)
+            plain = sum(b["tokens"] for _, b in pairs) / sum(_row_seconds(b) for _, b in pairs)
             s["speedup"] = mine / plain
         else:
             s["speedup"] = math.nan
-        s["tokens_per_second"] = sum(r["tokens"] for r in group) / max(1e-9, sum(r["seconds"] for r in group))
+        s["tokens_per_second"] = sum(r["tokens"] for r in group) / max(1e-9, sum(_row_seconds(r) for r in group))
+        s["batch_sizes"] = sorted({int(r.get("batch_size", 1)) for r in group})
         steps = defaultdict(list)
         for r in group:
             for key, values in r.get("steps", {}).items():
@@ -199,8 +209,14 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
 def terminal_table(summary: list[dict]) -> str:
     head, body = table_rows(summary)
     score_name = summary[0]["score_name"] if summary else "score"
-    legend = f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly below it)"
+    legend = (f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly "
+              f"below it; speedup vs plain decoding at the same batch size: {_batch_sizes(summary)})")
     return text_table(head, body) + "\n" + legend
+
+
+def _batch_sizes(summary: list[dict]) -> str:
+    sizes = sorted({b for s in summary for b in s.get("batch_sizes", [1])})
+    return ", ".join(map(str, sizes)) or "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,10 +317,12 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
     parts.append("<h2>Speed, shift and quality per rule</h2>")
     parts.append(_html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
     parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target forward "
-                 "pass; speedup: tokens/s vs plain decoding on the same units, interleaved; TV, KL: mean per-token "
+                 "pass; speedup: throughput (tokens/s) vs plain decoding on the same units, interleaved, at the "
+                 f"same batch size (batch sizes: {_batch_sizes(summary)}); TV, KL: mean per-token "
                  "distance of the rule's exact output law from the target's; TV-base: from the honest truncation "
                  "baseline; overshoot p95: 95th percentile of max law/p; seq KL: mean exact log-likelihood ratio "
-                 "of a generated sequence (rule vs target), an unbiased estimate of the sequence-level KL, 95% CI; "
+                 "of a generated sequence's decoding path (rule vs target): the path-level KL, an upper bound on "
+                 "the sequence-level KL (docs/design.md, 'Rule anatomy'), 95% CI; "
                  "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
                  "rules, lossless SD otherwise). tail mass: mean mass the rule's law puts on tokens the target gives "
                  "less than 1e-3; target NLL: the target model's own negative log-likelihood per token of the "

@@ -14,8 +14,9 @@ import hashlib
 import json
 import logging
 import math
-import sys
 import os
+import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import torch
 
 from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile
 from verispec.evaluation.suites import Item, Suite, load_suite
-from verispec.decode import DecodeConfig, Generation, autoregressive_decode, speculative_decode
+from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
+                             speculative_decode, speculative_decode_batch)
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 
@@ -156,13 +158,18 @@ def _settings_json(spec: SweepSpec) -> str:
     return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec)}, indent=2, sort_keys=True) + "\n"
 
 
-def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True) -> Path:
+def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
+              batch_size: int = 1) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
 
     Order: every setting is validated, the directory locked (one writer at a time), the models loaded
     and every prompt checked against the context, and only then is anything written. `resume`
     continues only the sweep `sweep.json` describes (same settings, dtypes, device and backend);
-    without a `sweep.json` it refuses rather than guess whose rows `results.jsonl` holds."""
+    without a `sweep.json` it refuses rather than guess whose rows `results.jsonl` holds.
+    `batch_size` (rows decoded together) changes timings, not results, so it is not part of the
+    sweep's settings: a sweep may be resumed with another batch size."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
     from verispec.decode import check_context
 
@@ -212,28 +219,58 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         units = [(i, item, seed, c)
                  for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
         spec_path.write_text(spec_json, encoding="utf-8")
-        _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress)
+        _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size)
     return results_path
 
 
-def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress) -> None:
+def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress,
+               batch_size: int = 1) -> None:
+    """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
+
+    Rows of one configuration are decoded together (`speculative_decode_batch`), and every
+    configuration runs on the same rows back to back, so speed is compared interleaved and at the same
+    batch size. Each row draws from its own generator, seeded by (seed, prompt index) as in batch-1
+    decoding, so its tokens do not depend on the batch it lands in (up to float rounding of different
+    matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
     with ResultsFile(results_path) as store:
         todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in store.done]
         bar = _progress(len(units), len(units) - len(todo), progress)
         if todo:  # warm up both models so the first timed unit does not pay one-off costs
             warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
             speculative_decode(target, drafter, prompts[0], "lossless", warm, torch.Generator().manual_seed(0))
-        for index, item, seed, config in todo:
-            sampling = SamplingConfig(temperature=config.temperature)
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            if config.rule == PLAIN:
-                gen = autoregressive_decode(target, prompts[index], DecodeConfig(max_new_tokens=max_new, sampling=sampling),
-                                            generator)
-            else:
-                decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling)
-                gen = speculative_decode(target, drafter, prompts[index], config.rule, decode, generator)
-            store.append(make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids))))
-            if bar is not None:
-                bar.update(1)
+        pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
+        rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
+        configs = list(dict.fromkeys(u[3] for u in units))
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            for config in configs:
+                members = [pending[(i, seed, config)] for i, seed in chunk if (i, seed, config) in pending]
+                if not members:
+                    continue
+                began = time.perf_counter()
+                generations = _decode(target, drafter, prompts, members, config, max_new)
+                batch_seconds = time.perf_counter() - began
+                for (index, item, seed, _), gen in zip(members, generations):
+                    row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
+                    row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
+                    store.append(row)
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
+
+
+def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int) -> list[Generation]:
+    """The generations of one configuration on a batch of units (batch 1: the batch-1 loop)."""
+    sampling = SamplingConfig(temperature=config.temperature)
+    generators = [torch.Generator().manual_seed(seed * 1_000_003 + index) for index, _, seed, _ in members]
+    ids = [prompts[index] for index, _, _, _ in members]
+    if config.rule == PLAIN:
+        decode = DecodeConfig(max_new_tokens=max_new, sampling=sampling)
+        if len(members) == 1:
+            return [autoregressive_decode(target, ids[0], decode, generators[0])]
+        return autoregressive_decode_batch(target, ids, decode, generators)
+    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling)
+    if len(members) == 1:
+        return [speculative_decode(target, drafter, ids[0], config.rule, decode, generators[0])]
+    return speculative_decode_batch(target, drafter, ids, config.rule, decode, generators)
