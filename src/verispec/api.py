@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.decode import DecodeConfig, Generation, autoregressive_decode, speculative_decode
+from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
+                             speculative_decode, speculative_decode_batch)
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 
@@ -223,8 +224,27 @@ def encode_messages(model, messages: list[dict]) -> list[int]:
     return encode_prompt(model, "".join(m["content"] + "\n" for m in messages), chat=False)
 
 
+def _several_prompts(prompt) -> bool:
+    """A list/tuple of prompts (each a str or a sequence of ids), as opposed to one prompt of ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple)) or (isinstance(p, torch.Tensor) and p.ndim == 1)
+                    or (type(p).__module__ == "numpy" and getattr(p, "ndim", 0) == 1) for p in prompt))
+
+
+def _check_seeds(seed, count: int) -> list:
+    """One seed per prompt: an int s gives s, s+1, ..., or a sequence of `count` ints. Each seed is
+    then checked like a single one (`_check_generate_args`)."""
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != count:
+            raise ValueError(f"seed: give one int or one seed per prompt ({count}), got {len(seed)} seeds")
+        return list(seed)
+    if count > 1 and _is_int(seed):
+        return [int(seed) + i for i in range(count)]
+    return [seed] * count
+
+
 def generate(
-    prompt: str | list[int],
+    prompt,
     target="default",
     draft="auto",
     rule: str | Rule = "lossless",
@@ -236,14 +256,21 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     eta: float | None = None,
-    seed: int = 0,
+    seed: int | list[int] = 0,
     chat: bool | None = None,
     diagnostics: bool = True,
     device: str = "cpu",
     dtype: str | torch.dtype = "float32",
     draft_dtype: str | torch.dtype = "float32",
-) -> GenerateResult:
+    batch_size: int = 16,
+) -> GenerateResult | list[GenerateResult]:
     """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None).
+
+    `prompt` is one prompt (a str or a sequence of token ids) -> one `GenerateResult`, or a list of
+    prompts -> a list of results, decoded `batch_size` rows at a time (continuous batching). Row i
+    uses seed `seed + i` (or `seed[i]` when a list is given) and its own generator, so it equals
+    `generate(prompt[i], seed=seed + i)` alone wherever the numerics allow it (batched matmuls round
+    differently: docs/design.md, 'Token roles').
 
     draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
@@ -252,24 +279,39 @@ def generate(
 
     Every argument is checked before any model loads (TypeError / ValueError naming it); the prompt
     plus max_new_tokens must fit the target's context (checked before decoding)."""
-    prompt = _check_prompt(prompt)
-    _check_generate_args(target, draft, rule, k, max_new_tokens,
-                         {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                          "eta": eta},
-                         seed, chat, diagnostics, device, dtype, draft_dtype)
-    k, max_new_tokens, seed = int(k), int(max_new_tokens), int(seed)
+    several = _several_prompts(prompt)
+    prompts = [_check_prompt(p) for p in (prompt if several else [prompt])]
+    seeds = _check_seeds(seed, len(prompts))
+    for one_seed in seeds:
+        _check_generate_args(target, draft, rule, k, max_new_tokens,
+                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                              "eta": eta},
+                             one_seed, chat, diagnostics, device, dtype, draft_dtype)
+    seeds = [int(s) for s in seeds]
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    k, max_new_tokens = int(k), int(max_new_tokens)
     rule = parse(rule) if isinstance(rule, str) else rule
     sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
     target_model = resolve_target(target, device, as_dtype(dtype))
     drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))
-    prompt_ids = encode_prompt(target_model, prompt, chat)
-    generator = torch.Generator().manual_seed(seed)
-    if drafter is None:
-        gen = autoregressive_decode(target_model, prompt_ids, config, generator)
+    prompt_ids = [encode_prompt(target_model, p, chat) for p in prompts]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    if not several:  # one prompt: the batch-1 loop
+        if drafter is None:
+            gens = [autoregressive_decode(target_model, prompt_ids[0], config, generators[0])]
+        else:
+            gens = [speculative_decode(target_model, drafter, prompt_ids[0], rule, config, generators[0])]
+    elif drafter is None:
+        gens = autoregressive_decode_batch(target_model, prompt_ids, config, generators, batch_size=batch_size)
     else:
-        gen = speculative_decode(target_model, drafter, prompt_ids, rule, config, generator)
-    text = target_model.decode(list(gen.token_ids))
-    return GenerateResult(text=text, token_ids=list(gen.token_ids), prompt_ids=prompt_ids,
-                          stats=gen.stats(max_new_tokens=max_new_tokens, k=None if drafter is None else k),
-                          generation=gen)
+        gens = speculative_decode_batch(target_model, drafter, prompt_ids, rule, config, generators,
+                                        batch_size=batch_size)
+    results = [
+        GenerateResult(text=target_model.decode(list(gen.token_ids)), token_ids=list(gen.token_ids),
+                       prompt_ids=ids, stats=gen.stats(max_new_tokens=max_new_tokens,
+                                                       k=None if drafter is None else k), generation=gen)
+        for ids, gen in zip(prompt_ids, gens)
+    ]
+    return results if several else results[0]

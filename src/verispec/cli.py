@@ -64,22 +64,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))  # fails first, clearly, on a bad model
     draft = args.draft if args.draft is not None else "auto"
-    result = generate(
-        args.prompt, target=target, draft=draft, rule=args.rule, k=args.k, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, eta=args.eta,
-        seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
+    several = len(args.prompt) > 1
+    results = generate(
+        args.prompt if several else args.prompt[0], target=target, draft=draft, rule=args.rule, k=args.k,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, eta=args.eta, seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype,
+        draft_dtype=args.draft_dtype, batch_size=args.batch_size,
     )
-    if args.json:
-        print(json.dumps(json_safe(result.to_json())))
-        return 0
-    s = result.stats
-    print(result.text)
-    print(
-        f"\n[{s['rule']}] {s['tokens']} tokens | acceptance {s['acceptance_rate']:.3f} | "
-        f"block efficiency {s['block_efficiency']:.2f} tokens/target call | {s['tokens_per_second']:.1f} tokens/s | "
-        f"mean TV to target {s.get('mean_tv', 0):.4f} | log-ratio vs target {s.get('log_ratio', 0):.3f}",
-        file=sys.stderr if args.quiet_stats else sys.stdout,
-    )
+    for result in results if several else [results]:  # several prompts: one JSON object per line
+        if args.json:
+            print(json.dumps(json_safe(result.to_json())))
+            continue
+        s = result.stats
+        print(result.text)
+        print(
+            f"\n[{s['rule']}] {s['tokens']} tokens | acceptance {s['acceptance_rate']:.3f} | "
+            f"block efficiency {s['block_efficiency']:.2f} tokens/target call | "
+            f"{s['tokens_per_second']:.1f} tokens/s | mean TV to target {s.get('mean_tv', 0):.4f} | "
+            f"log-ratio vs target {s.get('log_ratio', 0):.3f}",
+            file=sys.stderr if args.quiet_stats else sys.stdout,
+        )
     return 0
 
 
@@ -160,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate with speculative decoding and print the text and stats")
     add_model_args(run)
     run.add_argument("--rule", default="lossless", help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
-    run.add_argument("--prompt", required=True)
+    run.add_argument("--prompt", required=True, action="append",
+                     help="the prompt; repeat it for several prompts, decoded together (prompt i uses seed + i)")
+    run.add_argument("--batch-size", type=int, default=16, help="rows decoded together with several prompts")
     run.add_argument("--max-new-tokens", type=int, default=64)
     run.add_argument("--k", type=int, default=4, help="draft tokens per block")
     add_sampling_args(run)

@@ -612,7 +612,9 @@ class BatchDecoder:
         )
 
 
-def _run_batch(decoder: BatchDecoder, prompts, generators) -> list[Generation]:
+def _run_batch(decoder: BatchDecoder, prompts, generators, batch_size: int | None = None) -> list[Generation]:
+    """Decode every prompt, at most `batch_size` rows at once (None: all); a finished row's place is
+    taken by the next prompt between blocks (continuous batching)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
     if len(generators) != len(prompts):
@@ -624,22 +626,32 @@ def _run_batch(decoder: BatchDecoder, prompts, generators) -> list[Generation]:
                           decoder.drafter)
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}") from None
-    ids = [decoder.add(prompt, gen) for prompt, gen in zip(prompts, generators)]
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    waiting = list(zip(prompts, generators))
+    limit = batch_size or len(waiting)
+    ids: list[int] = []
     done: dict[int, Generation] = {}
-    while decoder.active:
+    while waiting or decoder.active:
+        while waiting and len(decoder.active) < limit:
+            prompt, gen = waiting.pop(0)
+            ids.append(decoder.add(prompt, gen))
         done.update(decoder.step())
     return [done[i] for i in ids]
 
 
 def speculative_decode_batch(target: LanguageModel, drafter, prompts: list[list[int]], rule: Rule | str,
-                             config: DecodeConfig, generators: list[torch.Generator]) -> list[Generation]:
+                             config: DecodeConfig, generators: list[torch.Generator],
+                             batch_size: int | None = None) -> list[Generation]:
     """Speculative decoding of many prompts at once; row i equals `speculative_decode(target, drafter,
     prompts[i], rule, config, generators[i])` (same draws from its own generator, in the same order)."""
-    return _run_batch(BatchDecoder(target, drafter, rule, config), prompts, generators)
+    return _run_batch(BatchDecoder(target, drafter, rule, config), prompts, generators, batch_size)
 
 
 def autoregressive_decode_batch(target: LanguageModel, prompts: list[list[int]], config: DecodeConfig,
-                                generators: list[torch.Generator]) -> list[Generation]:
+                                generators: list[torch.Generator], batch_size: int | None = None
+                                ) -> list[Generation]:
     """Plain decoding of many prompts at once; row i equals `autoregressive_decode(target, prompts[i],
     config, generators[i])`."""
-    return _run_batch(BatchDecoder(target, None, config=config), prompts, generators)
+    return _run_batch(BatchDecoder(target, None, config=config), prompts, generators, batch_size)
