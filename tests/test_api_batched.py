@@ -16,7 +16,8 @@ PROMPTS = ["KING.\nWhat says the queen?\n", "To be", "ROMEO.\nBut soft, what lig
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["auto", None])
 def test_generate_several_prompts_equals_each_alone(draft):
-    many = verispec.generate(PROMPTS, draft=draft, rule="lenience:l=0.5", seed=5, max_new_tokens=24, batch_size=2)
+    many = verispec.generate(PROMPTS, draft=draft, rule="lenience:l=0.5", seed=5, max_new_tokens=24,
+                             batch_size=2)
     assert isinstance(many, list) and len(many) == len(PROMPTS)
     for i, (prompt, result) in enumerate(zip(PROMPTS, many)):
         alone = verispec.generate(prompt, draft=draft, rule="lenience:l=0.5", seed=5 + i, max_new_tokens=24)
@@ -24,7 +25,8 @@ def test_generate_several_prompts_equals_each_alone(draft):
         assert result.stats["acceptance_rate"] == pytest.approx(alone.stats["acceptance_rate"], nan_ok=True)
         assert result.stats["mean_tv"] == pytest.approx(alone.stats["mean_tv"], rel=1e-5, abs=1e-7)
     explicit = verispec.generate(PROMPTS[:2], draft=draft, seed=[7, 3], max_new_tokens=8)
-    assert explicit[1].token_ids == verispec.generate(PROMPTS[1], draft=draft, seed=3, max_new_tokens=8).token_ids
+    assert explicit[1].token_ids == verispec.generate(PROMPTS[1], draft=draft, seed=3,
+                                                      max_new_tokens=8).token_ids
 
 
 def test_generate_several_prompts_bad_input():

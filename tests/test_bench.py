@@ -61,8 +61,10 @@ def test_step_metrics_equal_offline_recomputation(pair, spec):
     steps = gen.steps
     torch.testing.assert_close(torch.tensor(steps["tv"], dtype=torch.float64), tv(law, p), rtol=0, atol=1e-9)
     torch.testing.assert_close(torch.tensor(steps["kl"], dtype=torch.float64), kl(law, p), rtol=0, atol=1e-9)
-    torch.testing.assert_close(torch.tensor(steps["max_ratio"], dtype=torch.float64), max_ratio(law, p), rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(torch.tensor(steps["tail_mass"], dtype=torch.float64), tail_mass(law, p), rtol=0, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(steps["max_ratio"], dtype=torch.float64), max_ratio(law, p),
+                               rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(torch.tensor(steps["tail_mass"], dtype=torch.float64), tail_mass(law, p),
+                               rtol=0, atol=1e-9)
     llr = (law.gather(-1, tokens[:, None]).log() - p.gather(-1, tokens[:, None]).log()).sum().item()
     assert gen.log_ratio == pytest.approx(llr, abs=1e-6)
     if rule.lossless:
@@ -71,13 +73,14 @@ def test_step_metrics_equal_offline_recomputation(pair, spec):
         assert gen.log_ratio != 0.0
     base = rule.baseline(p)
     if base is not None:
-        torch.testing.assert_close(torch.tensor(steps["tv_baseline"], dtype=torch.float64), tv(law, base), rtol=0, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(steps["tv_baseline"], dtype=torch.float64), tv(law, base),
+                                   rtol=0, atol=1e-9)
 
 
 def bench_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "verispec", "bench", "--target", TARGET, "--draft", DRAFT, "--suite", "shakespeare",
-            "--rules", "lenience:l=0.5", "speccascade:min_p=0.1", "--limit", "3", "--seeds", "0", "1",
-            "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
+    return [sys.executable, "-m", "verispec", "bench", "--target", TARGET, "--draft", DRAFT,
+            "--suite", "shakespeare", "--rules", "lenience:l=0.5", "speccascade:min_p=0.1", "--limit", "3",
+            "--seeds", "0", "1", "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
 
 
 @pytest.mark.slow
@@ -116,17 +119,20 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
 
     killed = tmp_path / "killed"
     for stop_after in (4, 13):  # kill twice, at different points, with SIGKILL
-        proc = subprocess.Popen(bench_cmd(killed, "--batch-size", "1", *(["--resume"] if stop_after > 4 else [])),
+        proc = subprocess.Popen(bench_cmd(killed, "--batch-size", "1",
+                                          *(["--resume"] if stop_after > 4 else [])),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 300
-        while time.time() < deadline and len(read_rows(killed / "results.jsonl")) < stop_after and proc.poll() is None:
+        while (time.time() < deadline and len(read_rows(killed / "results.jsonl")) < stop_after
+               and proc.poll() is None):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert len(read_rows(killed / "results.jsonl")) < len(expected)
     with open(killed / "results.jsonl", "a") as f:
         f.write('{"schema": 1, "unit": "partial')  # a row cut in the middle of its write
-    resumed = subprocess.run(bench_cmd(killed, "--batch-size", "1", "--resume"), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(bench_cmd(killed, "--batch-size", "1", "--resume"), capture_output=True,
+                             text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     rows = read_rows(killed / "results.jsonl")
     assert len(rows) == len({r["unit"] for r in rows}), "a unit was written twice"
@@ -189,9 +195,10 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
                               ("cos:w=0.5 k=4 T=1", "cos:w=0.5", "collaborative")):
         for prompt in ("a", "b", "c"):
             rows.append({
-                "schema": SCHEMA_VERSION, "unit": config + prompt, "config": config, "rule": rule, "family": fam, "k": 0 if rule == "plain" else 4,
-                "temperature": 1.0, "prompt_id": prompt, "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5,
-                "proposed": 8, "accepted": 5, "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
+                "schema": SCHEMA_VERSION, "unit": config + prompt, "config": config, "rule": rule,
+                "family": fam, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": prompt,
+                "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5, "proposed": 8, "accepted": 5,
+                "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
                 "target_nll": 3.0, "score": 0.5, "score_name": "distinct_2",
                 "steps": {"role": ["accepted", "recovered"], "tv": [0.1, 0.2], "kl": [0.01, 0.02],
                           "tv_baseline": [None, None], "max_ratio": [1.5, 2.0], "tail_mass": [0.0, 0.01],
@@ -214,18 +221,22 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
 def test_report_flags_and_baselines():
     rows = []
     for prompt in range(6):
-        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0), ("cos:w=0.9 k=4 T=1", "cos:w=0.9", 0.0),
+        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0),
+                                    ("cos:w=0.9 k=4 T=1", "cos:w=0.9", 0.0),
                                     ("topk:k=2,resample=target k=4 T=1", "topk:k=2", 0.9),
-                                    ("honest:topk:k=2,resample=target k=4 T=1", "honest:topk:k=2", 0.9 + 0.01 * prompt)):
-            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec, "family": "x", "k": 4,
-                         "temperature": 1.0, "prompt_id": str(prompt), "seed": 0, "tokens": 10, "seconds": 1.0,
-                         "target_calls": 4, "proposed": 8, "accepted": 6, "log_ratio": 0.1 * prompt, "mean_tv": 0.1,
-                         "target_nll": 2.0, "score": score + (0.001 * prompt if rule == "cos:w=0.9" else 0),
+                                    ("honest:topk:k=2,resample=target k=4 T=1", "honest:topk:k=2",
+                                     0.9 + 0.01 * prompt)):
+            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec,
+                         "family": "x", "k": 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                         "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                         "log_ratio": 0.1 * prompt, "mean_tv": 0.1, "target_nll": 2.0,
+                         "score": score + (0.001 * prompt if rule == "cos:w=0.9" else 0),
                          "score_name": "exact_match", "steps": {}})
     summary = {s["config"]: s for s in summarize(rows)}
     assert summary["cos:w=0.9 k=4 T=1"]["baseline"] == "lossless k=4 T=1"
     assert summary["cos:w=0.9 k=4 T=1"]["flag"] == "WORSE"
-    assert summary["topk:k=2,resample=target k=4 T=1"]["baseline"] == "honest:topk:k=2,resample=target k=4 T=1"
+    assert (summary["topk:k=2,resample=target k=4 T=1"]["baseline"]
+            == "honest:topk:k=2,resample=target k=4 T=1")
     assert summary["topk:k=2,resample=target k=4 T=1"]["score_diff"] < 0
     assert summary["lossless k=4 T=1"]["flag"] == ""
     assert summary["honest:topk:k=2,resample=target k=4 T=1"]["baseline"] is None  # a baseline itself

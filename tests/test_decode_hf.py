@@ -86,7 +86,8 @@ def test_realised_acceptance_matches_expected(pair):
     expected = torch.minimum(p, q).sum(-1).double()  # [n]
     roles = np.array(gen.steps["role"])
     decided = (roles == "accepted") | (roles == "recovered")  # positions where the rule decided on a draft
-    np.testing.assert_allclose(np.array(gen.steps["expected_accept"])[decided], expected.numpy()[decided], atol=1e-4)
+    np.testing.assert_allclose(np.array(gen.steps["expected_accept"])[decided], expected.numpy()[decided],
+                               atol=1e-4)
     a = expected.numpy()[decided]
     accepted = (roles == "accepted").sum()
     z = (accepted - a.sum()) / math.sqrt((a * (1 - a)).sum())
@@ -114,10 +115,11 @@ def test_sampled_lossless_first_tokens_follow_the_target(pair):
 def test_every_rule_runs_on_the_default_pair(pair):
     target, drafter = pair
     for name in names():
-        spec = {"speccascade": "speccascade:min_p=0.1", "typical": "typical:eps=0.09,alpha=0.3", "topk": "topk:k=8",
-                "topp": "topp:p=0.9", "relaxed": "relaxed:n=10,delta=0.6", "lenience": "lenience:l=0.5",
-                "cos": "cos:w=0.4", "fuzzy": "fuzzy:threshold=0.1", "sglang": "sglang:single=0.9,acc=0.5",
-                "budget": "budget:tv=0.05,ratio=2", "honest": "honest:speccascade:min_p=0.1"}.get(name, name)
+        spec = {"speccascade": "speccascade:min_p=0.1", "typical": "typical:eps=0.09,alpha=0.3",
+                "topk": "topk:k=8", "topp": "topp:p=0.9", "relaxed": "relaxed:n=10,delta=0.6",
+                "lenience": "lenience:l=0.5", "cos": "cos:w=0.4", "fuzzy": "fuzzy:threshold=0.1",
+                "sglang": "sglang:single=0.9,acc=0.5", "budget": "budget:tv=0.05,ratio=2",
+                "honest": "honest:speccascade:min_p=0.1"}.get(name, name)
         out = generate(PROMPTS[0], target=target, draft=drafter, rule=spec, max_new_tokens=12, seed=0)
         assert 1 <= len(out.token_ids) <= 12 and out.stats["rule"] == parse(spec).spec
         if parse(spec).lossless:
@@ -131,7 +133,8 @@ def test_nan_logits_are_reported(pair):
         """The real target whose logits turn NaN after the prompt (a broken backend)."""
 
         def __init__(self, inner):
-            self.inner, self.name, self.vocab_size, self.eos_token_id, self.calls = inner, "nan", inner.vocab_size, None, 0
+            self.inner, self.name, self.vocab_size, self.eos_token_id, self.calls = (
+                inner, "nan", inner.vocab_size, None, 0)
 
         def session(self):
             real = self.inner.session()
@@ -156,8 +159,8 @@ def test_mismatched_vocabularies_are_refused(tmp_path, pair):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     target, _ = pair
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
     small.save_pretrained(tmp_path / "small")
     target.tokenizer.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="vocabulary size 1000"):
@@ -170,7 +173,8 @@ def test_mismatched_vocabularies_are_refused(tmp_path, pair):
     import json
 
     spec = json.loads(target.tokenizer.backend_tokenizer.to_str())
-    spec["model"]["vocab"][a], spec["model"]["vocab"][b] = spec["model"]["vocab"][b], spec["model"]["vocab"][a]
+    spec["model"]["vocab"][a], spec["model"]["vocab"][b] = (spec["model"]["vocab"][b],
+                                                            spec["model"]["vocab"][a])
     from tokenizers import Tokenizer
 
     swapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
@@ -183,12 +187,13 @@ def test_mismatched_vocabularies_are_refused(tmp_path, pair):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_cli_run_text_and_json():
-    out = run_cli("run", "--target", TARGET, "--draft", DRAFT, "--rule", "lenience:l=0.5", "--prompt", "To be",
-                  "--max-new-tokens", "10", "--json")
+    out = run_cli("run", "--target", TARGET, "--draft", DRAFT, "--rule", "lenience:l=0.5",
+                  "--prompt", "To be", "--max-new-tokens", "10", "--json")
     assert out.returncode == 0, out.stderr
     import json
 
@@ -232,7 +237,8 @@ def test_lean_backend_equals_transformers(pair):
         ids = torch.tensor([target.encode("To be, or not to be, that is the question: whether 'tis nobler")])
         schedule = [(ids[:, :8], 1), (ids[:, :9], 1), (ids[:, :14], 5), (ids[:, :11], 2), (ids[:, :16], 3)]
         for tokens, n in schedule:
-            torch.testing.assert_close(lean.logits_for(tokens, n), ref.logits_for(tokens, n), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(lean.logits_for(tokens, n), ref.logits_for(tokens, n),
+                                       rtol=1e-4, atol=1e-4)
 
 
 def test_default_tokenizer_round_trips_with_proper_spacing():
@@ -242,7 +248,8 @@ def test_default_tokenizer_round_trips_with_proper_spacing():
 
     target = load_model("default")
     texts = [item.prompt for item in load_suite("shakespeare").items]
-    texts += ["To be, or not to be: that is the question.", "  two  spaces,\ttabs\nand 'quotes' -- dashes!", "émigré"]
+    texts += ["To be, or not to be: that is the question.", "  two  spaces,\ttabs\nand 'quotes' -- dashes!",
+              "émigré"]
     for text in texts:
         ids = target.encode(text)
         assert target.decode(ids) == text

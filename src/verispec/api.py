@@ -24,7 +24,8 @@ class GenerateResult:
     generation: Generation
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids, "stats": self.stats}
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
+                "stats": self.stats}
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -304,7 +305,8 @@ def generate(
         else:
             gens = [speculative_decode(target_model, drafter, prompt_ids[0], rule, config, generators[0])]
     elif drafter is None:
-        gens = autoregressive_decode_batch(target_model, prompt_ids, config, generators, batch_size=batch_size)
+        gens = autoregressive_decode_batch(target_model, prompt_ids, config, generators,
+                                           batch_size=batch_size)
     else:
         gens = speculative_decode_batch(target_model, drafter, prompt_ids, rule, config, generators,
                                         batch_size=batch_size)

@@ -23,12 +23,14 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="default", help="named model (default, smollm2-135m) or local path")
+    parser.add_argument("--target", default="default",
+                        help="named model (default, smollm2-135m) or local path")
     parser.add_argument("--draft", default=None,
-                        help="draft model name/path, self:layers=N, ngram:n=N, or none (default: the target's "
-                             "default draft: default-draft for the default target, self:layers=8 for smollm2-135m, "
-                             "ngram:n=3 for any other model)")
-    parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda); rule maths run on the CPU")
+                        help="draft model name/path, self:layers=N, ngram:n=N, or none (default: the "
+                             "target's default draft: default-draft for the default target, "
+                             "self:layers=8 for smollm2-135m, ngram:n=3 for any other model)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the models run (cpu, cuda); rule maths run on the CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the target's compute dtype (default float32)")
     parser.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -62,7 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from verispec.api import as_dtype, check_device, generate, resolve_target
 
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
-    target = resolve_target(args.target, args.device, as_dtype(args.dtype))  # fails first, clearly, on a bad model
+    # fails first, clearly, on a bad model
+    target = resolve_target(args.target, args.device, as_dtype(args.dtype))
     draft = args.draft if args.draft is not None else "auto"
     several = len(args.prompt) > 1
     results = generate(
@@ -107,9 +110,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     draft = args.draft if args.draft is not None else default_draft(args.target)
     spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
-                     temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds), limit=args.limit,
-                     max_new_tokens=args.max_new_tokens, device=args.device, dtype=args.dtype,
-                     draft_dtype=args.draft_dtype)
+                     temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
+                     limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
+                     dtype=args.dtype, draft_dtype=args.draft_dtype)
     path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
                      batch_size=args.batch_size)
     print(f"results: {path.resolve()}", file=sys.stderr)
@@ -123,10 +126,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from verispec.evaluation.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft", rules=DEMO_RULES, temperatures=(1.0,),
-                     ks=(4,), seeds=(0, 1), limit=args.prompts, max_new_tokens=48)
-    print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the default pair "
-          f"(resumes if {args.out} already holds this sweep)", file=sys.stderr)
+    spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft", rules=DEMO_RULES,
+                     temperatures=(1.0,), ks=(4,), seeds=(0, 1), limit=args.prompts, max_new_tokens=48)
+    print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the "
+          f"default pair (resumes if {args.out} already holds this sweep)", file=sys.stderr)
     run_sweep(spec, args.out, resume=True, progress=not args.no_progress, batch_size=8)
     return print_report(args.out)
 
@@ -163,9 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate with speculative decoding and print the text and stats")
     add_model_args(run)
-    run.add_argument("--rule", default="lossless", help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
+    run.add_argument("--rule", default="lossless",
+                     help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
     run.add_argument("--prompt", required=True, action="append",
-                     help="the prompt; repeat it for several prompts, decoded together (prompt i uses seed + i)")
+                     help="the prompt; repeat it for several prompts, decoded together "
+                          "(prompt i uses seed + i)")
     run.add_argument("--batch-size", type=int, default=16, help="rows decoded together with several prompts")
     run.add_argument("--max-new-tokens", type=int, default=64)
     run.add_argument("--k", type=int, default=4, help="draft tokens per block")
@@ -188,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", nargs="+", type=int, default=[0])
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of the suite")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default: the suite's own")
-    bench.add_argument("--out", required=True, help="output directory (results.jsonl, sweep.json, report.html)")
+    bench.add_argument("--out", required=True,
+                       help="output directory (results.jsonl, sweep.json, report.html)")
     bench.add_argument("--resume", action="store_true", help="continue an interrupted sweep in --out")
     bench.add_argument("--batch-size", type=int, default=8,
                        help="(prompt, seed) rows decoded together per configuration (default 8); changes "
@@ -202,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--html", default=None, help="where to write the HTML (default: DIR/report.html)")
     report.set_defaults(func=cmd_report)
 
-    demo = sub.add_parser("demo", help="a small sweep on the default pair, then the report (a few minutes on CPU)")
+    demo = sub.add_parser("demo",
+                          help="a small sweep on the default pair, then the report (a few minutes on CPU)")
     demo.add_argument("--out", default="verispec-demo")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--no-progress", action="store_true")

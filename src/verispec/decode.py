@@ -94,7 +94,8 @@ class Generation:
         """Exact log-likelihood ratio of the output under the rule vs the target: sum log law - log p."""
         if not self.steps:
             return 0.0
-        return float(sum(a - b if a != b else 0.0 for a, b in zip(self.steps["log_law"], self.steps["log_target"])))
+        return float(sum(a - b if a != b else 0.0
+                         for a, b in zip(self.steps["log_law"], self.steps["log_target"])))
 
     def stats(self, max_new_tokens: int | None = None, k: int | None = None) -> dict:
         """The generation's summary: the one place that aggregates a generation (the CLI's --json, the
@@ -204,7 +205,8 @@ def _as_prompt(prompt_ids) -> Tensor:
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ValueError(f"prompt_ids must be a list of token ids (batch size 1), got shape {tuple(ids.shape)}")
+        raise ValueError(f"prompt_ids must be a list of token ids (batch size 1), "
+                         f"got shape {tuple(ids.shape)}")
     if ids.shape[1] == 0:
         raise ValueError("empty prompt: give at least one token")
     return ids
@@ -212,7 +214,8 @@ def _as_prompt(prompt_ids) -> Tensor:
 
 def _check_tokens(ids: Tensor, vocab_size: int) -> None:
     if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got [{ids.min().item()}, {ids.max().item()}]")
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), "
+                         f"got [{ids.min().item()}, {ids.max().item()}]")
 
 
 def max_context(model) -> int | None:
@@ -261,7 +264,8 @@ class _Recorder:
     def __init__(self, rule: Rule, config: DecodeConfig):
         self.rule, self.config = rule, config
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
-        self.probs: dict[str, list[Tensor]] | None = {"target": [], "draft": []} if config.keep_probs else None
+        self.probs: dict[str, list[Tensor]] | None = (
+            {"target": [], "draft": []} if config.keep_probs else None)
         self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor]] = []
         self._pending = 0
         self.seconds = 0.0  # time spent on diagnostics
@@ -271,7 +275,8 @@ class _Recorder:
         if self.steps is not None:
             start = time.perf_counter()
             raw = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)  # raw target log-prob
-            q_rows = q if q.shape[0] == p.shape[0] else torch.cat([q, torch.zeros_like(p[q.shape[0]:])])  # [n, V]
+            # [n, V]
+            q_rows = q if q.shape[0] == p.shape[0] else torch.cat([q, torch.zeros_like(p[q.shape[0]:])])
             self._rows.append((p, q_rows, tokens, roles, raw))
             self._pending += len(roles)
             self.seconds += time.perf_counter() - start
@@ -286,7 +291,8 @@ class _Recorder:
             return
         start = time.perf_counter()
         p, q, tokens, roles, raw = zip(*self._rows)
-        stats = position_stats(self.rule, torch.cat(p), torch.cat(q), torch.cat(tokens), [r for rs in roles for r in rs])
+        stats = position_stats(self.rule, torch.cat(p), torch.cat(q), torch.cat(tokens),
+                               [r for rs in roles for r in rs])
         stats["log_target_raw"] = torch.cat(raw).double().tolist()
         for key, values in stats.items():
             self.steps.setdefault(key, []).extend(values)
@@ -299,7 +305,8 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
     """Speculative decoding of one prompt (batch size 1)."""
     rule = parse(rule) if isinstance(rule, str) else rule
     if drafter.vocab_size != target.vocab_size:
-        raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size})")
+        raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
+                         f"({target.vocab_size})")
     prompt = _as_prompt(prompt_ids)
     _check_tokens(prompt, target.vocab_size)
     check_context(target, prompt.shape[1], config.max_new_tokens, drafter)
@@ -352,8 +359,9 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
     return Generation(
         prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
         blocks=tuple(blocks), steps=record.steps, target_calls=_calls(target) - calls0[0],
-        draft_calls=_calls(drafter) - calls0[1], seconds=seconds, finish=finish, rule=rule.spec, probs=record.probs,
-        target_seconds=target_seconds, draft_seconds=draft_seconds, diagnostics_seconds=record.seconds,
+        draft_calls=_calls(drafter) - calls0[1], seconds=seconds, finish=finish, rule=rule.spec,
+        probs=record.probs, target_seconds=target_seconds, draft_seconds=draft_seconds,
+        diagnostics_seconds=record.seconds,
     )
 
 
@@ -388,9 +396,9 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
     n = seq.shape[1] - prompt.shape[1]
     return Generation(
         prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
-        blocks=tuple(Block(0, 0, 1) for _ in range(n)), steps=record.steps, target_calls=_calls(target) - calls0,
-        draft_calls=0, seconds=seconds, finish=finish, rule="plain", probs=record.probs,
-        target_seconds=target_seconds, diagnostics_seconds=record.seconds,
+        blocks=tuple(Block(0, 0, 1) for _ in range(n)), steps=record.steps,
+        target_calls=_calls(target) - calls0, draft_calls=0, seconds=seconds, finish=finish, rule="plain",
+        probs=record.probs, target_seconds=target_seconds, diagnostics_seconds=record.seconds,
     )
 
 
@@ -398,7 +406,8 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
 # batched decoding: many rows, each with its own length, generator and stopping point
 
 
-def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor, uniforms: Tensor) -> tuple[list[int], Tensor]:
+def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor,
+                 uniforms: Tensor) -> tuple[list[int], Tensor]:
     """Verify ragged blocks in one call: p [B, K+1, V], q [B, K, V], drafts [B, K] (-1 padded after a
     row's real drafts), uniforms [B, K+1]. Row i with k_i real drafts uses uniforms[i, :k_i] for them
     and uniforms[i, k_i] for its recovered/bonus token (docs/design.md, 'Token roles'), so each row

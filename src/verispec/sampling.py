@@ -40,7 +40,8 @@ class SamplingConfig:
         checks = [
             ("temperature", self.temperature, self.temperature is not None and math.isfinite(self.temperature)
              and self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_k", self.top_k, self.top_k is None or _whole(self.top_k) and self.top_k >= 1, "integer >= 1"),
+            ("top_k", self.top_k, self.top_k is None or _whole(self.top_k) and self.top_k >= 1,
+             "integer >= 1"),
             ("top_p", self.top_p, self.top_p is None or 0 < self.top_p <= 1, "0 < top_p <= 1"),
             ("min_p", self.min_p, self.min_p is None or 0 < self.min_p <= 1, "0 < min_p <= 1"),
             ("eta", self.eta, self.eta is None or 0 < self.eta < 1, "0 < eta < 1"),

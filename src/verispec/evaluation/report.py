@@ -25,8 +25,9 @@ from verispec.tables import text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
 OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
-_T975 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+_T975 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 def t_interval(values: list[float]) -> tuple[float, float]:
@@ -97,7 +98,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                    "temperature": r0["temperature"], "units": len(group), "score_name": r0["score_name"]}
         proposed = sum(r["proposed"] for r in group)
         s["acceptance_rate"] = sum(r["accepted"] for r in group) / proposed if proposed else math.nan
-        s["block_efficiency"] = sum(r["tokens"] for r in group) / max(1, sum(r["target_calls"] for r in group))
+        s["block_efficiency"] = (sum(r["tokens"] for r in group)
+                                 / max(1, sum(r["target_calls"] for r in group)))
         plain_id = config_of.get(("plain", 0, r0["temperature"]))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
         pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0]
@@ -107,7 +109,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["speedup"] = mine / plain
         else:
             s["speedup"] = math.nan
-        s["tokens_per_second"] = sum(r["tokens"] for r in group) / max(1e-9, sum(_row_seconds(r) for r in group))
+        s["tokens_per_second"] = (sum(r["tokens"] for r in group)
+                                  / max(1e-9, sum(_row_seconds(r) for r in group)))
         s["batch_sizes"] = sorted({int(r.get("batch_size", 1)) for r in group})
         steps = defaultdict(list)
         for r in group:
@@ -119,7 +122,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["kl"] = math.inf if any(x == math.inf for x in kls) else sum(_finite(kls)) / n_steps
         tvb = _finite(steps["tv_baseline"])
         s["tv_baseline"] = sum(tvb) / len(tvb) if tvb else math.nan
-        ratios = sorted(_finite(steps["max_ratio"]) + [math.inf] * sum(1 for x in steps["max_ratio"] if x == math.inf))
+        ratios = sorted(_finite(steps["max_ratio"])
+                        + [math.inf] * sum(1 for x in steps["max_ratio"] if x == math.inf))
         s["overshoot_p95"] = ratios[int(0.95 * (len(ratios) - 1))] if ratios else math.nan
         s["overshoot_max"] = ratios[-1] if ratios else math.nan
         s["tail_mass"] = sum(_finite(steps["tail_mass"])) / n_steps
@@ -166,7 +170,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         for b, (lo, hi) in enumerate(zip(OVER_BINS, OVER_BINS[1:])):
             idx = [i for i, bi in zip(acc, _bins(over, OVER_BINS)) if bi == b]
             s["by_overshoot"].append({
-                "bin": f"{lo:g}-{hi:g}", "accepted": len(idx), "share": len(idx) / len(acc) if acc else math.nan,
+                "bin": f"{lo:g}-{hi:g}", "accepted": len(idx),
+                "share": len(idx) / len(acc) if acc else math.nan,
                 "tv": mean(steps["tv"][i] for i in idx) if idx else math.nan,
             })
         s["accepted_overshoot"] = over
@@ -185,13 +190,14 @@ def _fmt(x, digits: int = 3) -> str:
 
 
 def _pm(value, half) -> str:
-    return _fmt(value) if not (isinstance(half, float) and math.isfinite(half)) else f"{_fmt(value)}±{_fmt(half)}"
+    return (_fmt(value) if not (isinstance(half, float) and math.isfinite(half))
+            else f"{_fmt(value)}±{_fmt(half)}")
 
 
 COLUMNS = [
-    ("config", "config"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"), ("speedup", "speedup"),
-    ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"), ("overshoot p95", "overshoot_p95"),
-    ("tail mass", "tail_mass"), ("target NLL", "target_nll"),
+    ("config", "config"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"),
+    ("speedup", "speedup"), ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"),
+    ("overshoot p95", "overshoot_p95"), ("tail mass", "tail_mass"), ("target NLL", "target_nll"),
 ]
 
 
@@ -295,7 +301,8 @@ def plots(summary: list[dict]) -> dict[str, str]:
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px;color:#222}
-table{border-collapse:collapse;font-size:13px;margin:1em 0}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}\
+th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}tr.worse td{background:#fde2e2}
 .note{color:#555;font-size:13px}img{max-width:100%;border:1px solid #eee;margin:.5em 0}"""
 
@@ -303,7 +310,8 @@ th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}tr.worse td{
 def _html_table(head: list[str], body: list[list[str]], classes: list[str] | None = None) -> str:
     classes = classes or [""] * len(body)
     rows = "".join(
-        f"<tr class='{c}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>" for r, c in zip(body, classes)
+        f"<tr class='{c}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
+        for r, c in zip(body, classes)
     )
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{rows}</table>"
 
@@ -316,33 +324,37 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                                                         for k, v in meta.items()) + "</p>")
     parts.append("<h2>Speed, shift and quality per rule</h2>")
     parts.append(_html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
-    parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target forward "
-                 "pass; speedup: throughput (tokens/s) vs plain decoding on the same units, interleaved, at the "
-                 f"same batch size (batch sizes: {_batch_sizes(summary)}); TV, KL: mean per-token "
-                 "distance of the rule's exact output law from the target's; TV-base: from the honest truncation "
-                 "baseline; overshoot p95: 95th percentile of max law/p; seq KL: mean exact log-likelihood ratio "
-                 "of a generated sequence's decoding path (rule vs target): the path-level KL, an upper bound on "
-                 "the sequence-level KL (docs/design.md, 'Rule anatomy'), 95% CI; "
+    parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target "
+                 "forward pass; speedup: throughput (tokens/s) vs plain decoding on the same units, "
+                 f"interleaved, at the same batch size (batch sizes: {_batch_sizes(summary)}); TV, KL: "
+                 "mean per-token distance of the rule's exact output law from the target's; TV-base: "
+                 "from the honest truncation baseline; overshoot p95: 95th percentile of max law/p; "
+                 "seq KL: mean exact log-likelihood ratio of a generated sequence's decoding path (rule "
+                 "vs target): the path-level KL, an upper bound on the sequence-level KL (docs/design.md, "
+                 "'Rule anatomy'), 95% CI; "
                  "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
-                 "rules, lossless SD otherwise). tail mass: mean mass the rule's law puts on tokens the target gives "
-                 "less than 1e-3; target NLL: the target model's own negative log-likelihood per token of the "
-                 "generated text (temperature 1, no truncation). Rows in red are significantly below their "
-                 "baseline.</p>")
+                 "rules, lossless SD otherwise). tail mass: mean mass the rule's law puts on tokens the "
+                 "target gives less than 1e-3; target NLL: the target model's own negative log-likelihood "
+                 "per token of the generated text (temperature 1, no truncation). Rows in red are "
+                 "significantly below their baseline.</p>")
     figs = plots(summary)
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
         parts.append(f"<h3>{caption}</h3><img alt='{name}' src='data:image/png;base64,{figs[name]}'>")
     parts.append("<h2>Robustness across prompts</h2>")
-    parts.append(_html_table(["config", "units", "spread of per-prompt TV (sd)", "worst prompt TV", "worst prompts"],
+    parts.append(_html_table(["config", "units", "spread of per-prompt TV (sd)", "worst prompt TV",
+                              "worst prompts"],
                              [[s["config"], str(s["units"]),
                                _fmt(s["prompt_tv_spread"], 4), _fmt(s["prompt_tv_max"], 4),
                                ", ".join(s["worst_prompts"])] for s in summary if s["rule"] != "plain"]))
     parts.append("<h2>Where fidelity is lost: the draft's overconfidence</h2>")
-    parts.append("<p class='note'>Decided draft positions binned by the draft's confidence (max q): acceptance "
-                 "and mean TV of the emitted law; accepted tokens binned by their overshoot q(x)/p(x).</p>")
+    parts.append("<p class='note'>Decided draft positions binned by the draft's confidence (max q): "
+                 "acceptance and mean TV of the emitted law; accepted tokens binned by their overshoot "
+                 "q(x)/p(x).</p>")
     conf_head = ["config"] + [f"max q {b['bin']}" for b in summary[0]["by_confidence"]] if summary else []
     parts.append(_html_table(conf_head, [[s["config"]] + [
-        f"n={b['positions']} acc={_fmt(b['acceptance'], 2)} TV={_fmt(b['tv'], 3)}" for b in s["by_confidence"]]
+        f"n={b['positions']} acc={_fmt(b['acceptance'], 2)} TV={_fmt(b['tv'], 3)}"
+        for b in s["by_confidence"]]
         for s in summary if s["rule"] != "plain"]))
     over_head = ["config"] + [f"q/p {b['bin']}" for b in summary[0]["by_overshoot"]] if summary else []
     parts.append(_html_table(over_head, [[s["config"]] + [

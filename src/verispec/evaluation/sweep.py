@@ -31,8 +31,8 @@ from verispec.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 PLAIN = "plain"
-STEP_FIELDS = ("role", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass", "expected_accept", "draft_confidence",
-               "draft_over_target", "log_law", "log_target", "log_target_raw")
+STEP_FIELDS = ("role", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass", "expected_accept",
+               "draft_confidence", "draft_over_target", "log_law", "log_target", "log_target_raw")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class RunConfig:
 
     @property
     def id(self) -> str:
-        return f"{self.rule} k={self.k} T={self.temperature:g}" if self.rule != PLAIN else f"plain T={self.temperature:g}"
+        return (f"{self.rule} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
+                else f"plain T={self.temperature:g}")
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def unit_key(spec: SweepSpec, item: Item, seed: int, config: RunConfig) -> str:
 
 
 def _round(values: list, digits: int = 6) -> list:
-    return [v if isinstance(v, str) else (float(f"{v:.{digits}g}") if math.isfinite(v) else v) for v in values]
+    return [v if isinstance(v, str) else (float(f"{v:.{digits}g}") if math.isfinite(v) else v)
+            for v in values]
 
 
 def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, config: RunConfig,
@@ -136,7 +138,8 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "target": spec.target, "draft": spec.draft, "dtype": spec.dtype, "draft_dtype": spec.draft_dtype,
         "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule,
         "k": config.k,
-        "temperature": config.temperature, "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
+        "temperature": config.temperature,
+        "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
         "text": text, "token_ids": list(gen.token_ids),
@@ -237,7 +240,8 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
         bar = _progress(len(units), len(units) - len(todo), progress)
         if todo:  # warm up both models so the first timed unit does not pay one-off costs
             warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
-            speculative_decode(target, drafter, prompts[0], "lossless", warm, torch.Generator().manual_seed(0))
+            speculative_decode(target, drafter, prompts[0], "lossless", warm,
+                               torch.Generator().manual_seed(0))
         pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
         rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
         configs = list(dict.fromkeys(u[3] for u in units))
@@ -251,7 +255,8 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
                 generations = _decode(target, drafter, prompts, members, config, max_new)
                 batch_seconds = time.perf_counter() - began
                 for (index, item, seed, _), gen in zip(members, generations):
-                    row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
+                    row = make_row(spec, suite, item, index, seed, config, gen,
+                                   target.decode(list(gen.token_ids)))
                     row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
                     store.append(row)
                     if bar is not None:

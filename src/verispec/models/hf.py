@@ -146,7 +146,8 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
     transformers.utils.logging.set_verbosity_error()
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path} (give a local directory, a .gguf file, or a named model)")
+        raise FileNotFoundError(f"model not found: {path} "
+                                "(give a local directory, a .gguf file, or a named model)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; give a model directory or a GGUF file")
