@@ -236,12 +236,21 @@ def test_rows_of_another_schema_are_refused_with_both_versions(sweep_dir, tmp_pa
 # -- 5. the Python API's inputs ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt", [[411.7, 306.2], b"To be", [True, False], ["1", "2"], "", [], 12, None,
-                                    [[1, 2]], torch.tensor([1.5, 2.0]), [-3, 4]])
+@pytest.mark.parametrize("prompt", [[411.7, 306.2], b"To be", [True, False], "", [], 12, None,
+                                    [[1, 2.5]], ["ok", b"x"], torch.tensor([1.5, 2.0]), [-3, 4], "bad \udcff text"])
 def test_generate_refuses_bad_prompts(pair, prompt):
     target, drafter = pair
     with pytest.raises((TypeError, ValueError), match="prompt"):
         verispec.generate(prompt, target=target, draft=drafter, max_new_tokens=2)
+
+
+def test_a_list_of_prompts_is_several_prompts_not_coerced_ids(pair):
+    """A list of str (or of id lists) is several prompts (a list out), never digit strings read as ids."""
+    target, drafter = pair
+    out = verispec.generate(["1", "2"], target=target, draft=drafter, max_new_tokens=2)
+    assert isinstance(out, list) and [r.prompt_ids for r in out] == [target.encode("1"), target.encode("2")]
+    nested = verispec.generate([[1, 2]], target=target, draft=drafter, max_new_tokens=2)
+    assert isinstance(nested, list) and nested[0].prompt_ids == [1, 2]
 
 
 def test_generate_accepts_integer_sequences(pair):
