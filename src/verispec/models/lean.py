@@ -1,5 +1,7 @@
 """A lean forward pass for Llama-architecture models (Touvron et al. 2023), for decoding speed.
 
+Also Qwen2 (`supports`): the same block with q/k/v biases, untied head, rope_theta from the config.
+
 Same maths as transformers' `LlamaForCausalLM` (RMSNorm, rotary embeddings with the default RoPE,
 grouped-query attention, SwiGLU MLP, optionally tied head), from the same weights, but laid out for
 batch-1 decoding on a CPU: q/k/v and gate/up projections are fused into one matmul each, rotary
@@ -31,10 +33,20 @@ from verispec.models.base import CachedSession, check_batch_request
 
 
 def supports(model) -> bool:
-    """Whether `model` is a Llama-style model this lean pass reproduces exactly."""
+    """Whether `model` is a Llama-style model this lean pass reproduces exactly: Llama, or Qwen2
+    (Qwen Team 2024: Llama's block with q/k/v biases, no o_proj bias, its own RoPE base, optionally
+    an untied head) when no layer uses sliding-window attention."""
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
-    return (getattr(cfg, "model_type", "") == "llama" and rope.get("rope_type", "default") == "default"
+    kind = getattr(cfg, "model_type", "")
+    if kind == "qwen2":
+        # transformers 5.24: layer_types marks sliding layers only when use_sliding_window is set
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            return False
+    elif kind != "llama":
+        return False
+    return (rope.get("rope_type", "default") == "default" and "rope_theta" in rope
             and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "pretraining_tp", 1) > 1)
 
 
@@ -86,7 +98,8 @@ class LeanLlama:
 
     def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
         if not supports(hf_model):
-            raise ValueError(f"the lean backend supports Llama models with default RoPE, got {hf_model.config.model_type}")
+            raise ValueError("the lean backend supports Llama and Qwen2 (no sliding window) models with "
+                             f"default RoPE, got {hf_model.config.model_type}")
         cfg = hf_model.config
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
