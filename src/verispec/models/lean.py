@@ -93,6 +93,22 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
+def _alias(param: torch.nn.Parameter, linear: _Linear, lo: int, hi: int) -> None:
+    """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
+    values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
+    is 7 GB per copy). Only where the dtype and device already agree (no rounding, no move)."""
+    src = linear.weight_t
+    if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
+        return
+    view = src[:, lo:hi].t()  # [out, in], strided
+    if view.shape != param.shape:
+        return
+    with torch.no_grad():
+        if not torch.equal(view, param.data):
+            raise RuntimeError("lean weight layout disagrees with the transformers weight")
+        param.data = view
+
+
 class LeanLlama:
     """Weights of a transformers Llama model, laid out for a fast incremental forward."""
 
@@ -125,8 +141,21 @@ class LeanLlama:
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
+            w = self.layers[-1]
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            _alias(att.q_proj.weight, w["qkv"], 0, nq)
+            _alias(att.k_proj.weight, w["qkv"], nq, nq + nkv)
+            _alias(att.v_proj.weight, w["qkv"], nq + nkv, nq + 2 * nkv)
+            _alias(att.o_proj.weight, w["o"], 0, att.o_proj.weight.shape[0])
+            inter = mlp.gate_proj.weight.shape[0]
+            _alias(mlp.gate_proj.weight, w["gate_up"], 0, inter)
+            _alias(mlp.up_proj.weight, w["gate_up"], inter, 2 * inter)
+            _alias(mlp.down_proj.weight, w["down"], 0, mlp.down_proj.weight.shape[0])
         self.norm = cast(inner.norm.weight)
-        self.head = _Linear(cast(hf_model.get_output_embeddings().weight))
+        head = hf_model.get_output_embeddings().weight
+        self.head = _Linear(cast(head))
+        if head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
+            _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
                                          / self.head_dim))
