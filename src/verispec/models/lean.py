@@ -93,10 +93,15 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
+SHARE_ABOVE = 1_000_000_000  # parameters; see `_alias`
+
+
 def _alias(param: torch.nn.Parameter, linear: _Linear, lo: int, hi: int) -> None:
     """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
     values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
-    is 7 GB per copy). Only where the dtype and device already agree (no rounding, no move)."""
+    is 7 GB per copy). Only where the dtype and device already agree (no rounding, no move). Done for
+    models above SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so
+    its forward (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched."""
     src = linear.weight_t
     if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
         return
@@ -117,6 +122,7 @@ class LeanLlama:
             raise ValueError("the lean backend supports Llama and Qwen2 (no sliding window) models with "
                              f"default RoPE, got {hf_model.config.model_type}")
         cfg = hf_model.config
+        share = sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE  # one weight copy: `_alias`
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
         self.n_heads = cfg.num_attention_heads
@@ -143,6 +149,8 @@ class LeanLlama:
                 raise ValueError("the lean backend does not support MLP biases")
             w = self.layers[-1]
             nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            if not share:
+                continue
             _alias(att.q_proj.weight, w["qkv"], 0, nq)
             _alias(att.k_proj.weight, w["qkv"], nq, nq + nkv)
             _alias(att.v_proj.weight, w["qkv"], nq + nkv, nq + 2 * nkv)
@@ -154,7 +162,7 @@ class LeanLlama:
         self.norm = cast(inner.norm.weight)
         head = hf_model.get_output_embeddings().weight
         self.head = _Linear(cast(head))
-        if head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
+        if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
             _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
