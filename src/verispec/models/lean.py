@@ -1,5 +1,7 @@
 """A lean forward pass for Llama-architecture models (Touvron et al. 2023), for decoding speed.
 
+Also Qwen2 (`supports`): the same block with q/k/v biases, untied head, rope_theta from the config.
+
 Same maths as transformers' `LlamaForCausalLM` (RMSNorm, rotary embeddings with the default RoPE,
 grouped-query attention, SwiGLU MLP, optionally tied head), from the same weights, but laid out for
 batch-1 decoding on a CPU: q/k/v and gate/up projections are fused into one matmul each, rotary
@@ -31,10 +33,20 @@ from verispec.models.base import CachedSession, check_batch_request
 
 
 def supports(model) -> bool:
-    """Whether `model` is a Llama-style model this lean pass reproduces exactly."""
+    """Whether `model` is a Llama-style model this lean pass reproduces exactly: Llama, or Qwen2
+    (Qwen Team 2024: Llama's block with q/k/v biases, no o_proj bias, its own RoPE base, optionally
+    an untied head) when no layer uses sliding-window attention."""
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
-    return (getattr(cfg, "model_type", "") == "llama" and rope.get("rope_type", "default") == "default"
+    kind = getattr(cfg, "model_type", "")
+    if kind == "qwen2":
+        # transformers 5.24: layer_types marks sliding layers only when use_sliding_window is set
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            return False
+    elif kind != "llama":
+        return False
+    return (rope.get("rope_type", "default") == "default" and "rope_theta" in rope
             and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "pretraining_tp", 1) > 1)
 
 
@@ -81,13 +93,36 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
+SHARE_ABOVE = 1_000_000_000  # parameters; see `_alias`
+
+
+def _alias(param: torch.nn.Parameter, linear: _Linear, lo: int, hi: int) -> None:
+    """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
+    values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
+    is 7 GB per copy). Only where the dtype and device already agree (no rounding, no move). Done for
+    models above SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so
+    its forward (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched."""
+    src = linear.weight_t
+    if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
+        return
+    view = src[:, lo:hi].t()  # [out, in], strided
+    if view.shape != param.shape:
+        return
+    with torch.no_grad():
+        if not torch.equal(view, param.data):
+            raise RuntimeError("lean weight layout disagrees with the transformers weight")
+        param.data = view
+
+
 class LeanLlama:
     """Weights of a transformers Llama model, laid out for a fast incremental forward."""
 
     def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
         if not supports(hf_model):
-            raise ValueError(f"the lean backend supports Llama models with default RoPE, got {hf_model.config.model_type}")
+            raise ValueError("the lean backend supports Llama and Qwen2 (no sliding window) models with "
+                             f"default RoPE, got {hf_model.config.model_type}")
         cfg = hf_model.config
+        share = sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE  # one weight copy: `_alias`
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
         self.n_heads = cfg.num_attention_heads
@@ -112,8 +147,23 @@ class LeanLlama:
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
+            w = self.layers[-1]
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            if not share:
+                continue
+            _alias(att.q_proj.weight, w["qkv"], 0, nq)
+            _alias(att.k_proj.weight, w["qkv"], nq, nq + nkv)
+            _alias(att.v_proj.weight, w["qkv"], nq + nkv, nq + 2 * nkv)
+            _alias(att.o_proj.weight, w["o"], 0, att.o_proj.weight.shape[0])
+            inter = mlp.gate_proj.weight.shape[0]
+            _alias(mlp.gate_proj.weight, w["gate_up"], 0, inter)
+            _alias(mlp.up_proj.weight, w["gate_up"], inter, 2 * inter)
+            _alias(mlp.down_proj.weight, w["down"], 0, mlp.down_proj.weight.shape[0])
         self.norm = cast(inner.norm.weight)
-        self.head = _Linear(cast(hf_model.get_output_embeddings().weight))
+        head = hf_model.get_output_embeddings().weight
+        self.head = _Linear(cast(head))
+        if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
+            _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
                                          / self.head_dim))
