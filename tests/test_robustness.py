@@ -237,7 +237,8 @@ def test_rows_of_another_schema_are_refused_with_both_versions(sweep_dir, tmp_pa
 
 
 @pytest.mark.parametrize("prompt", [[411.7, 306.2], b"To be", [True, False], "", [], 12, None,
-                                    [[1, 2.5]], ["ok", b"x"], torch.tensor([1.5, 2.0]), [-3, 4], "bad \udcff text"])
+                                    [[1, 2.5]], ["ok", b"x"], torch.tensor([1.5, 2.0]), [-3, 4],
+                                    "bad \udcff text"])
 def test_generate_refuses_bad_prompts(pair, prompt):
     target, drafter = pair
     with pytest.raises((TypeError, ValueError), match="prompt"):

