@@ -107,12 +107,14 @@ def srv():
 
 def same_report(served: dict, local: dict) -> None:
     """The server's verification object equals the library's: ints and strings exactly, floats to
-    float32 rounding (the batched forward pass may round differently from batch-1's)."""
+    float32 rounding (the batched forward pass rounds logits differently from batch-1's, by up to
+    1e-5; a per-position log-probability moves by about that much, and sums over the up to 32
+    positions of a response, such as log_ratio, by up to ~1e-4: measured 2e-7 to 2e-6)."""
     assert served.keys() == local.keys()
     for key, a in served.items():
         b = local[key]
         if isinstance(b, float) and isinstance(a, (int, float)):
-            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4), (key, a, b)
         elif isinstance(b, dict):
             same_report(a, b)
         elif isinstance(b, list):

@@ -167,11 +167,11 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
     if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose")
             or (hasattr(draft, "session") and hasattr(draft, "vocab_size"))):
         raise TypeError(f"draft must be None, a spec str, a model or a drafter, got {type(draft).__name__}")
-    for name, value in (("k", k), ("max_new_tokens", max_new_tokens)):
+    for name, value in (("k (draft tokens per block)", k), ("max_new_tokens", max_new_tokens)):
         if not _is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
         if int(value) < 1:
-            raise ValueError(f"{name} must be >= 1, got {int(value)}")
+            raise ValueError(f"{name} must be an integer >= 1, got {int(value)}")
     for name, value in sampling.items():
         if value is not None and not _is_number(value):
             raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
