@@ -28,6 +28,9 @@ from verispec.rules import Rule, names, parse
 COUNT: Counter = Counter()
 
 
+# 10,000+ generated inputs take ~25 s: part of the full run (CI), not of the fast `-m "not slow"` loop
+pytestmark = pytest.mark.slow
+
 SCALE = float(os.environ.get("VERISPEC_FUZZ_SCALE", "1"))  # e.g. 0.1 for a quick local run
 
 
