@@ -157,8 +157,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         decided = [i for i, role in enumerate(roles) if role in ("accepted", "recovered")]
         conf = [steps["draft_confidence"][i] for i in decided]
         s["by_confidence"] = []
+        conf_bins = _bins(conf, CONF_BINS)  # once, not once per bin
         for b, (lo, hi) in enumerate(zip(CONF_BINS, CONF_BINS[1:])):
-            idx = [i for i, bi in zip(decided, _bins(conf, CONF_BINS)) if bi == b]
+            idx = [i for i, bi in zip(decided, conf_bins) if bi == b]
             s["by_confidence"].append({
                 "bin": f"{lo:.1f}-{min(hi, 1):.1f}", "positions": len(idx),
                 "acceptance": sum(roles[i] == "accepted" for i in idx) / len(idx) if idx else math.nan,
@@ -167,8 +168,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         acc = [i for i, role in enumerate(roles) if role == "accepted"]
         over = [steps["draft_over_target"][i] for i in acc]
         s["by_overshoot"] = []
+        over_bins = _bins(over, OVER_BINS)
         for b, (lo, hi) in enumerate(zip(OVER_BINS, OVER_BINS[1:])):
-            idx = [i for i, bi in zip(acc, _bins(over, OVER_BINS)) if bi == b]
+            idx = [i for i, bi in zip(acc, over_bins) if bi == b]
             s["by_overshoot"].append({
                 "bin": f"{lo:g}-{hi:g}", "accepted": len(idx),
                 "share": len(idx) / len(acc) if acc else math.nan,
