@@ -244,3 +244,42 @@ def test_report_flags_and_baselines():
     assert summary["lossless k=4 T=1"]["block_efficiency"] == pytest.approx(2.5)
     assert summary["cos:w=0.9 k=4 T=1"]["seq_kl"] == pytest.approx(0.25)
     assert math.isfinite(summary["cos:w=0.9 k=4 T=1"]["seq_kl_ci"])
+
+
+def test_binary_score_intervals_and_mcnemar():
+    """Wilson's interval and McNemar's exact test against scipy, and their use in the summary."""
+    from scipy.stats import binomtest
+
+    from verispec.evaluation.report import mcnemar_exact, wilson_interval
+
+    for k, n in ((0, 10), (45, 100), (164, 164), (7, 20)):
+        want = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson_interval(k, n) == pytest.approx((want.low, want.high), abs=1e-6)
+    for better, worse in ((0, 6), (1, 9), (5, 5), (3, 12), (0, 0)):
+        want = binomtest(better, better + worse, 0.5).pvalue if better + worse else 1.0
+        assert mcnemar_exact(better, worse) == pytest.approx(want, rel=1e-9)
+    # 12 prompts: the rule fails where its baseline passes on 8, wins on none -> WORSE (p = 2/256)
+    rows = []
+    for prompt in range(12):
+        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0),
+                                    ("cos:w=0.9 k=4 T=1", "cos:w=0.9", float(prompt >= 8))):
+            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec,
+                         "family": "x", "k": 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                         "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                         "log_ratio": 0.1, "mean_tv": 0.1, "target_nll": 2.0, "score": score,
+                         "score_name": "pass_at_1", "steps": {}})
+    summary = {s["config"]: s for s in summarize(rows)}
+    cos = summary["cos:w=0.9 k=4 T=1"]
+    assert cos["binary_score"] and cos["discordant"] == (0, 8)
+    assert cos["p_value"] == pytest.approx(2 / 256) and cos["flag"] == "WORSE"
+    assert cos["score_interval"] == pytest.approx(wilson_interval(4, 12))
+    from verispec.evaluation.report import terminal_table
+
+    text = terminal_table(list(summary.values()))
+    assert "0.333 [0.14, 0.61]" in text and "0.00781 (+0/-8)" in text
+    # 3 of 12 discordant: a negative difference that is not significant is not flagged
+    for row in rows:
+        if row["config"].startswith("cos") and int(row["prompt_id"]) >= 3:
+            row["score"] = 1.0
+    cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
+    assert cos["discordant"] == (0, 3) and cos["p_value"] == pytest.approx(0.25) and cos["flag"] == ""

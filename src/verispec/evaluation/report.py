@@ -7,7 +7,10 @@ tokens; block efficiency = emitted tokens / target forward passes; speedup = thr
 the same batch size (a row's time is its batch's wall time / batch size).
 Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
 (score differences against the config's baseline: the honest truncation sampler for a truncation
-rule, lossless speculative decoding otherwise, plain decoding for lossless itself).
+rule, lossless speculative decoding otherwise, plain decoding for lossless itself). Where every score
+is 0 or 1 (pass@1, exact match) the score's interval is Wilson's (Wilson 1927) and the paired test is
+McNemar's exact test (McNemar 1947: a two-sided binomial test on the discordant pairs); a row is
+flagged WORSE when its paired difference is negative and significant at 5%.
 """
 
 from __future__ import annotations
@@ -39,6 +42,30 @@ def t_interval(values: list[float]) -> tuple[float, float]:
         return vals[0], math.nan
     q = _T975[len(vals) - 2] if len(vals) - 1 <= len(_T975) else 1.96
     return mean(vals), q * stdev(vals) / math.sqrt(len(vals))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial proportion (Wilson 1927); (nan, nan) for n = 0."""
+    if n == 0:
+        return math.nan, math.nan
+    phat = successes / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mcnemar_exact(better: int, worse: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant pair counts (row passes and its baseline
+    fails: `better`; the other way round: `worse`): a binomial(better + worse, 1/2) test; 1.0 with none."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
+def _binary(values: list) -> bool:
+    return bool(values) and all(v in (0, 1) for v in values)
 
 
 def baseline_of(config_rule: str) -> str | None:
@@ -131,18 +158,31 @@ def summarize(rows: list[dict]) -> list[dict]:
         tokens = sum(r["tokens"] for r in group)
         s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
         s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
-        s["score"], s["score_ci"] = t_interval([r["score"] for r in group])
+        scores = [r["score"] for r in group if r["score"] is not None and math.isfinite(r["score"])]
+        s["score"], s["score_ci"] = t_interval(scores)
+        s["binary_score"] = _binary(scores)
+        s["score_interval"] = (wilson_interval(int(sum(scores)), len(scores)) if s["binary_score"] else
+                               (s["score"] - s["score_ci"], s["score"] + s["score_ci"]))
         base_rule = baseline_of(r0["rule"])
         base_id = config_of.get((base_rule, 0 if base_rule == "plain" else r0["k"], r0["temperature"]))
         s["baseline"] = base_id
-        diffs = []
+        paired = []  # (row's score, baseline's score) on the same (prompt, seed)
         if base_id:
             for r in group:
                 b = index.get((base_id, r["prompt_id"], r["seed"]))
                 if b is not None and r["score"] is not None and b["score"] is not None:
-                    diffs.append(r["score"] - b["score"])
-        s["score_diff"], s["score_diff_ci"] = t_interval(diffs)
-        worse = s["score_diff"] + s["score_diff_ci"] < 0 if math.isfinite(s["score_diff_ci"]) else False
+                    paired.append((r["score"], b["score"]))
+        s["score_diff"], s["score_diff_ci"] = t_interval([a - b for a, b in paired])
+        s["paired_units"] = len(paired)
+        if paired and _binary([v for pair in paired for v in pair]):
+            better = sum(1 for a, b in paired if a > b)
+            worse_count = sum(1 for a, b in paired if a < b)
+            s["discordant"] = (better, worse_count)
+            s["p_value"] = mcnemar_exact(better, worse_count)
+            worse = s["score_diff"] < 0 and s["p_value"] < 0.05
+        else:
+            s["discordant"], s["p_value"] = None, math.nan
+            worse = s["score_diff"] + s["score_diff_ci"] < 0 if math.isfinite(s["score_diff_ci"]) else False
         s["flag"] = "WORSE" if worse else ""
         # robustness across prompts
         per_prompt = defaultdict(list)
@@ -191,6 +231,21 @@ def _fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
+def _score_text(s: dict) -> str:
+    """A binary score with its Wilson interval, any other with its t half-width."""
+    if s.get("binary_score") and all(math.isfinite(x) for x in s["score_interval"]):
+        lo, hi = s["score_interval"]
+        return f"{_fmt(s['score'])} [{lo:.2f}, {hi:.2f}]"
+    return _pm(s["score"], s["score_ci"])
+
+
+def _p_text(s: dict) -> str:
+    if not s["baseline"] or not math.isfinite(s.get("p_value", math.nan)):
+        return "-"
+    better, worse = s["discordant"]
+    return f"{s['p_value']:.3g} (+{better}/-{worse})"
+
+
 def _pm(value, half) -> str:
     return (_fmt(value) if not (isinstance(half, float) and math.isfinite(half))
             else f"{_fmt(value)}±{_fmt(half)}")
@@ -204,12 +259,12 @@ COLUMNS = [
 
 
 def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
-    head = [c for c, _ in COLUMNS] + ["seq KL (nats)", "score", "Δscore vs baseline", "flag"]
+    head = [c for c, _ in COLUMNS] + ["seq KL (nats)", "score", "Δscore vs baseline", "McNemar p", "flag"]
     body = []
     for s in summary:
         body.append([_fmt(s[key]) if key != "config" else s[key] for _, key in COLUMNS] + [
-            _pm(s["seq_kl"], s["seq_kl_ci"]), _pm(s["score"], s["score_ci"]),
-            _pm(s["score_diff"], s["score_diff_ci"]) if s["baseline"] else "-", s["flag"],
+            _pm(s["seq_kl"], s["seq_kl_ci"]), _score_text(s),
+            _pm(s["score_diff"], s["score_diff_ci"]) if s["baseline"] else "-", _p_text(s), s["flag"],
         ])
     return head, body
 
@@ -217,8 +272,10 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
 def terminal_table(summary: list[dict]) -> str:
     head, body = table_rows(summary)
     score_name = summary[0]["score_name"] if summary else "score"
-    legend = (f"(score = {score_name}; Δscore is paired against each row's baseline; WORSE = significantly "
-              f"below it; speedup vs plain decoding at the same batch size: {_batch_sizes(summary)})")
+    legend = (f"(score = {score_name} with its 95% CI (Wilson for 0/1 scores); Δscore is paired against "
+              "each row's baseline (95% t-interval); McNemar p: exact test on the discordant pairs "
+              "(+row wins/-baseline wins), 0/1 scores only; WORSE = significantly below the baseline;"
+              f" speedup vs plain decoding at the same batch size: {_batch_sizes(summary)})")
     return text_table(head, body) + "\n" + legend
 
 
@@ -273,8 +330,9 @@ def plots(summary: list[dict]) -> dict[str, str]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in rows:
-        ax.errorbar(s[speed_key], s["score"], yerr=s["score_ci"] if math.isfinite(s["score_ci"]) else None,
-                    fmt="o", ms=4, capsize=2)
+        lo, hi = s["score_interval"]
+        yerr = [[s["score"] - lo], [hi - s["score"]]] if math.isfinite(lo) and math.isfinite(hi) else None
+        ax.errorbar(s[speed_key], s["score"], yerr=yerr, fmt="o", ms=4, capsize=2)
         ax.annotate(s["config"].replace(",resample=target", ""), (s[speed_key], s["score"]), fontsize=7,
                     xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel(speed_label)
@@ -335,7 +393,9 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                  "vs target): the path-level KL, an upper bound on the sequence-level KL (docs/design.md, "
                  "'Rule anatomy'), 95% CI; "
                  "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
-                 "rules, lossless SD otherwise). tail mass: mean mass the rule's law puts on tokens the "
+                 "rules, lossless SD otherwise), 95% t-interval; score: 95% CI (Wilson's for 0/1 scores "
+                 "such as pass@1); McNemar p: exact two-sided test on the discordant pairs (+row wins / "
+                 "-baseline wins), 0/1 scores only. tail mass: mean mass the rule's law puts on tokens the "
                  "target gives less than 1e-3; target NLL: the target model's own negative log-likelihood "
                  "per token of the generated text (temperature 1, no truncation). Rows in red are "
                  "significantly below their baseline.</p>")
