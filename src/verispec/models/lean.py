@@ -93,15 +93,17 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
-SHARE_ABOVE = 1_000_000_000  # parameters; see `_alias`
+SHARE_ABOVE = 500_000_000  # parameters; see `_alias`
 
 
 def _alias(param: torch.nn.Parameter, linear: _Linear, lo: int, hi: int) -> None:
     """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
     values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
-    is 7 GB per copy). Only where the dtype and device already agree (no rounding, no move). Done for
-    models above SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so
-    its forward (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched."""
+    is 7 GB per copy, its 0.5B draft 2.5 GB: both must fit in 24 GB beside oneDNN's packed copies).
+    Only where the dtype and device already agree (no rounding, no move). Done for models above
+    SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so its forward
+    (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched; a benchmark timing
+    transformers' forward on a larger model loads a copy that never builds lean weights."""
     src = linear.weight_t
     if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
         return
