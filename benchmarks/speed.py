@@ -31,7 +31,8 @@ import torch
 
 from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json
 
-from verispec.api import as_dtype
+from verispec.api import as_dtype, encode_prompt
+from verispec.evaluation.suites import load_suite
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
 from verispec.models import load_drafter, load_model
 from verispec.sampling import SamplingConfig
@@ -74,13 +75,21 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--dtype", default="float32", help="the target's compute dtype (the draft stays float32)")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 2 prompts, 64 tokens")
+    ap.add_argument("--suite", default=None,
+                    help="take the prompts from this suite (e.g. humaneval, chat-encoded as the suite says) "
+                         "instead of the built-in Shakespeare openings")
+    ap.add_argument("--no-hsd", action="store_true", help="skip the hsd rule (saves time on big models)")
     ap.add_argument("--json", default="benchmarks/results/speed.json")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.tokens, args.ks = 2, 2, 64, [2, 4]
     target = load_model(args.target, dtype=as_dtype(args.dtype))
     drafter = load_drafter(args.draft, target)
-    prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
+    if args.suite:
+        suite = load_suite(args.suite).limit(args.prompts)
+        prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
+    else:
+        prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
     k = args.k
     print(f"{environment()}\ntarget {target.name} ({target.num_parameters / 1e6:.2f}M, {args.dtype}, "
           f"backend {target.backend}), "
@@ -112,8 +121,9 @@ def main() -> None:
                     "plain": lambda: ours(None, temperature, k, seed),
                     "sd": lambda: ours("lossless", temperature, k, seed),
                     "sd+diag": lambda: ours("lossless", temperature, k, seed, diagnostics=True),
-                    "hsd": lambda: ours("hsd", temperature, k, seed),
                 }
+                if not args.no_hsd:
+                    methods["hsd"] = lambda: ours("hsd", temperature, k, seed)
                 for kk in args.ks:
                     methods[f"sd k={kk}"] = lambda kk=kk: ours("lossless", temperature, kk, seed)
                 for name, fn in methods.items():

@@ -350,3 +350,23 @@ def test_report_of_an_unreadable_file(tmp_path, capsys):
     (tmp_path / "results.jsonl").mkdir(parents=True)
     err = cli_error(capsys, ["report", str(tmp_path / "results.jsonl")])
     assert "results.jsonl" in err
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch, capsys):
+    """Not enough memory: a MemoryError saying how much is needed and suggesting bf16 (CLI: exit 2),
+    before transformers allocates anything; VERISPEC_SKIP_MEMORY_CHECK=1 loads anyway."""
+    from verispec.models import hf
+
+    directory = Path(verispec.__file__).parent / "assets" / "default_pair" / "target"
+    params = hf.weight_count(directory)
+    assert params == load_model("default").num_parameters  # read from the safetensors headers alone
+    monkeypatch.setattr(hf, "available_memory", lambda: 10 * 2**20)  # 10 MiB free
+    with pytest.raises(MemoryError, match=r"needs about 0\.2 GB .* 0\.0 GB is available; --dtype bfloat16"):
+        hf.load_hf(directory, name="tiny", dtype=torch.float32)
+    with pytest.raises(MemoryError, match=r"in bfloat16 needs about 0\.1 GB .*free memory"):
+        hf.load_hf(directory, name="tiny", dtype=torch.bfloat16)
+    message = cli_error(capsys, ["run", "--target", str(directory), "--draft", "ngram:n=2",
+                                 "--prompt", "KING.", "--max-new-tokens", "2"])
+    assert "needs about" in message and "bfloat16" in message
+    monkeypatch.setenv("VERISPEC_SKIP_MEMORY_CHECK", "1")
+    assert hf.load_hf(directory, name="tiny").num_parameters == params

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit.code if isinstance(exit.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, OverflowError, OSError, SweepLockedError) as err:
+    except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError) as err:
         # bad input or an unusable file/directory/device: a clear message, no traceback, nothing on stdout
         print(f"verispec: error: {_message(err)}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -136,6 +137,64 @@ class HFSession(CachedSession):
         return out.logits.float().cpu()  # rule maths run on the CPU (a [k+1, V] copy per block)
 
 
+def weight_count(directory: Path) -> int | None:
+    """Parameters stored in a model directory's safetensors files (read from their headers only);
+    None where there are none (a GGUF file, a .bin checkpoint)."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can get (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(directory: Path, dtype: torch.dtype, device: str, name: str) -> None:
+    """Refuse, before loading, a model that cannot fit: a clear MemoryError instead of the OOM killer.
+
+    Estimate on CPU: parameters x bytes per element x copies, where the copies are the weights and
+    the lean pass's oneDNN-packed matmul weights (2; 3 below `lean.SHARE_ABOVE` parameters, whose
+    transformers weights are not shared with the lean layout), plus 10%. Measured for the Qwen pair
+    in fp32: 14 GB (1.5B) + 5 GB (0.5B) resident (benchmarks/RESULTS.md). VERISPEC_SKIP_MEMORY_CHECK=1
+    skips the check (swap, or memory the kernel will reclaim)."""
+    if torch.device(device).type != "cpu" or os.environ.get("VERISPEC_SKIP_MEMORY_CHECK") == "1":
+        return
+    from verispec.models.lean import SHARE_ABOVE
+
+    params, free = weight_count(directory), available_memory()
+    if params is None or free is None:
+        return
+    per = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    copies = 2 if params > SHARE_ABOVE else 3
+    need = int(1.1 * params * per * copies)
+    if need <= free:
+        return
+    hint = ("--dtype bfloat16 (dtype=torch.bfloat16) halves it, at a cost in speed on CPUs without bf16 "
+            "instructions (benchmarks/RESULTS.md, 'Qwen2.5-Coder pair')" if per == 4
+            else "free memory, or use a machine with more")
+    dtype_name = str(dtype).removeprefix("torch.")
+    raise MemoryError(f"loading {name} in {dtype_name} needs about {need / 1e9:.1f} GB "
+                      f"({params / 1e9:.2f}B parameters x {per} bytes x {copies} copies: the weights and the "
+                      f"lean pass's packed copy, +10%), but {free / 1e9:.1f} GB is available; {hint}. "
+                      "VERISPEC_SKIP_MEMORY_CHECK=1 loads anyway")
+
+
 def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,
             device: str = "cpu", dtype: torch.dtype = torch.float32) -> HFModel:
     """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it)."""
@@ -159,6 +218,8 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
         raise FileNotFoundError(f"no model in {path}: a model directory needs a config.json and weights "
                                 f"(an AutoModelForCausalLM save), or give a .gguf file{hint}")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file:
+        check_memory(path, dtype, device, name or str(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
