@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile
-from verispec.evaluation.suites import Item, Suite, load_suite
+from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
 from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
                              speculative_decode, speculative_decode_batch)
 from verispec.rules import honest_baseline, parse
@@ -130,6 +130,7 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         raise ValueError("sweep rows need per-step diagnostics (DecodeConfig.diagnostics=True)")
     metrics = suite.score(text, item)
     stats = gen.stats()
+    metrics[TARGET_LOGLIK] = -stats["target_nll"]  # every suite's; the score of suites without a task
     del stats["rule"]  # the row's rule is the config's (plain decoding reports "plain" too)
     del stats["verification"]  # the per-response report (verispec serve); rows keep the full steps
     return {
