@@ -254,6 +254,32 @@ def test_each_replica_serves_its_own_valid_metrics(server):
     assert health.json()["replica"] == health.headers[REPLICA_HEADER] in after
 
 
+def cancelled(samples: dict) -> float:
+    return samples.get(("verispec:request_success_total", (("finished_reason", "cancelled"),)), 0.0)
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_frees_the_row_on_its_replica(server):
+    before = replica_metrics(server)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + "/v1/completions",
+                           json={"prompt": PROMPT, "max_tokens": 1000, "stream": True, "seed": 1,
+                                 "ignore_eos": True}) as resp:
+            assert resp.status_code == 200
+            name = resp.headers[REPLICA_HEADER]
+            lines = resp.iter_lines()
+            assert len([x for _, x in zip(range(3), (y for y in lines if y.startswith("data:")))]) == 3
+    deadline = time.monotonic() + 30  # the proxy cancels the replica's request; the engine frees the row
+    while True:
+        now = replica_metrics(server)[name]
+        if now[("verispec:num_requests_running", ())] == 0 and cancelled(now) == cancelled(before[name]) + 1:
+            break
+        assert time.monotonic() < deadline, "the row was not freed (not cancelled) within 30 s"
+        time.sleep(0.2)
+    assert now[("verispec:generation_tokens_total", ())] < before[name].get(
+        ("verispec:generation_tokens_total", ()), 0) + 1000  # cancelled, not run to its 1000 tokens
+
+
 @pytest.mark.slow
 def test_sigterm_removes_the_deployment_and_frees_the_cpus(server):
     assert set(serve_actors()) >= {"SERVE_CONTROLLER_ACTOR"}
