@@ -10,6 +10,13 @@ report summarises), and in process, `Generation.stats()` (which builds the repor
 
     python benchmarks/serve_load.py                       # all modes, concurrency 1 4 16 64
     python benchmarks/serve_load.py --concurrency 1 4 --max-tokens 16
+    python benchmarks/serve_load.py --modes lossless lossless-1thread --ray-replicas 1 2 --concurrency 1 4 16
+
+`--ray-replicas N ...` adds, per N, the lossless mode served by `verispec serve --ray --replicas N` (a
+local Ray instance that the server process starts and stops; each replica has its own models, engine and
+1 CPU, so one torch thread), beside the local server, so the table compares them at the same concurrency
+levels. The mode `lossless-1thread` is the local server with one torch thread (`OMP_NUM_THREADS=1`), the
+like-for-like baseline of one replica.
 """
 
 from __future__ import annotations
@@ -36,14 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], wait: float = 120,
+                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "verispec", "serve", "--port", str(port), "--host", "127.0.0.1",
            "--max-batch", "64", "--max-queue", "256", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -127,12 +135,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help="per level (default: max(4, concurrency))")
     parser.add_argument("--modes", nargs="+", default=["lossless", "plain", "lossless-nodiag"])
+    parser.add_argument("--ray-replicas", nargs="*", type=int, default=[],
+                        help="also the lossless mode on Ray Serve with each of these replica counts")
     args = parser.parse_args()
     modes = {"lossless": ["--draft", "default-draft", "--rule", "lossless"], "plain": ["--draft", "none"],
              "lossless-nodiag": ["--draft", "default-draft", "--rule", "lossless", "--no-diagnostics"]}
+    modes["lossless-1thread"] = modes["lossless"]  # the local server with one torch thread, as a replica
+    envs = {"lossless-1thread": {"OMP_NUM_THREADS": "1"}}
+    for n in args.ray_replicas:
+        modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
     rows = []
-    for mode in args.modes:
-        proc, url = start_server(modes[mode])
+    for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]:
+        proc, url = start_server(modes[mode], wait=300 if "--ray" in modes[mode] else 120, env=envs.get(mode))
         try:
             asyncio.run(level(url, 4, 8, args.max_tokens))  # warm up (first batch shapes are slow)
             for c in args.concurrency:

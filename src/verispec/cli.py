@@ -145,7 +145,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
     )
-    serve(config, host=args.host, port=args.port, log_level=args.log_level)
+    if not args.ray:
+        for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
+                            ("--num-cpus-per-replica", args.num_cpus_per_replica),
+                            ("--ray-deploy-timeout", args.ray_deploy_timeout)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to Ray Serve only: add --ray")
+        serve(config, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    from verispec.serve_ray import RayOptions, RayServeError, serve_on_ray
+
+    options = RayOptions(replicas=1 if args.replicas is None else args.replicas,
+                         num_cpus=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
+                         address=args.ray_address,
+                         deploy_timeout=600.0 if args.ray_deploy_timeout is None else args.ray_deploy_timeout)
+    try:
+        serve_on_ray(config, options, host=args.host, port=args.port, log_level=args.log_level)
+    except RayServeError as err:  # Ray missing, no cluster, too few CPUs, a replica that cannot start
+        print(f"verispec: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -237,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="exact per-token diagnostics (the fidelity half of the report; on by default)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
     srv.add_argument("--log-level", default="info")
+    on_ray = srv.add_argument_group("Ray Serve (pip install \"verispec[ray]\")")
+    on_ray.add_argument("--ray", action="store_true",
+                     help="serve as a Ray Serve deployment: --replicas copies of the server, each with its "
+                          "own models and engine, behind Ray Serve's HTTP proxy on --host/--port")
+    on_ray.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
+    on_ray.add_argument("--ray-address", default=None,
+                     help="the cluster to join: auto (the one `ray start --head` started on this machine), "
+                          "HOST:PORT or ray://HOST:PORT (default: start a local Ray instance)")
+    on_ray.add_argument("--num-cpus-per-replica", type=float, default=None,
+                     help="CPUs Ray reserves for each replica; also its torch threads (default 1)")
+    on_ray.add_argument("--ray-deploy-timeout", type=float, default=None,
+                     help="seconds for every replica to load the models and start (default 600)")
     srv.set_defaults(func=cmd_serve)
     return parser
 

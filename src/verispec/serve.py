@@ -13,6 +13,8 @@ is what it would be alone (the batch-independence contract of `BatchDecoder`, up
 of batched forward passes). Requests wait in a bounded queue (`max_queue`: 503 with Retry-After when
 full); at most `max_batch` rows decode at once. A client that disconnects frees its row at the next
 block; at shutdown the engine finishes what uvicorn's graceful shutdown lets finish, then cancels the rest.
+
+`verispec serve --ray` (`verispec.serve_ray`) runs this same app in each replica of a Ray Serve deployment.
 """
 
 from __future__ import annotations
@@ -592,8 +594,34 @@ def _json_safe(obj):
     return json_safe(obj)
 
 
-def create_app(config: ServeConfig | None = None, target=None, drafter=None, server: Server | None = None):
-    """The ASGI app (FastAPI). Models load here (once); the engine thread runs while the app is up."""
+REPLICA_HEADER = "x-verispec-replica"
+
+
+class ReplicaHeader:
+    """ASGI middleware: every HTTP response (streams included) names the replica that served it, in the
+    `x-verispec-replica` header (`verispec serve --ray`: each replica has its own engine and metrics)."""
+
+    def __init__(self, app, replica: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def create_app(config: ServeConfig | None = None, target=None, drafter=None, server: Server | None = None,
+               replica: str | None = None):
+    """The ASGI app (FastAPI). Models load here (once); the engine thread runs while the app is up.
+    `replica` (a Ray Serve replica's id, `verispec.serve_ray`): every response carries it in the
+    `x-verispec-replica` header, `/health` in `replica`, and `/metrics` in `verispec:replica_info`."""
     server = server or Server(config or ServeConfig(), target, drafter)
     engine = server.engine
 
@@ -607,6 +635,12 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
     app = FastAPI(title="verispec serve", lifespan=lifespan)
     app.state.server = server
+    if replica is not None:
+        from prometheus_client import Gauge
+
+        Gauge("verispec:replica_info", "The replica that served this exposition (always 1)", ["replica"],
+              registry=server.metrics.registry).labels(replica=replica).set(1)
+        app.add_middleware(ReplicaHeader, replica=replica)
 
     def error(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -626,8 +660,9 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if engine.error is None else "engine_failed", "running": engine.running,
-                "waiting": engine.waiting, "model": server.model_name}
+        state = {"status": "ok" if engine.error is None else "engine_failed", "running": engine.running,
+                 "waiting": engine.waiting, "model": server.model_name}
+        return state if replica is None else {**state, "replica": replica}
 
     @app.get("/v1/models")
     async def models():

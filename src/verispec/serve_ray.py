@@ -1,0 +1,310 @@
+"""`verispec serve --ray`: the app of `verispec.serve.create_app` as a Ray Serve deployment.
+
+N replicas behind Ray Serve's HTTP proxy on --host/--port; each replica is a Ray actor that loads the
+target and draft once and runs its own continuous-batching `Engine`, so the endpoints, responses and
+errors are the local server's. The proxy routes each request to one replica (least loaded of two
+sampled); every response names its replica in the `x-verispec-replica` header, and `/metrics` is the
+Prometheus text of the replica that served the request (its own registry).
+
+The app is built inside each replica (`serve.ingress` with a builder function, evaluated at replica
+start), and Ray Serve runs the FastAPI lifespan there: startup starts the replica's engine thread, and
+replica shutdown (the `__del__` of the ingress wrapper) stops it.
+
+Before deploying: the cluster is reachable (a TCP check of --ray-address, since `ray.init` retries an
+unreachable address for minutes), and it has the CPUs for replicas x num_cpus. While deploying: the
+application's status is polled until RUNNING, DEPLOY_FAILED (a replica that cannot start: its
+exception is in the error) or the deploy timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from verispec.serve import ServeConfig
+
+APP_NAME = "verispec"
+DEPLOYMENT_NAME = "VerispecServer"
+INSTALL_HINT = 'pip install "verispec[ray]"'
+
+log = logging.getLogger(__name__)
+
+
+class RayServeError(RuntimeError):
+    """`verispec serve --ray` could not start: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the app is deployed on Ray (the `verispec serve --ray` flags)."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0  # per replica
+    address: str | None = None  # None: start a local Ray instance; "auto", "HOST:PORT", "ray://HOST:PORT"
+    deploy_timeout: float = 600.0  # seconds for every replica to load its models and start
+    local_object_store_bytes: int = 256 * 1024**2  # a local instance's object store (serving barely uses it)
+
+    def __post_init__(self):
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"--replicas must be a positive integer, got {self.replicas!r}")
+        if not self.num_cpus > 0:
+            raise ValueError(f"--num-cpus-per-replica must be > 0, got {self.num_cpus!r}")
+        if not self.deploy_timeout > 0:
+            raise ValueError(f"--ray-deploy-timeout must be > 0 seconds, got {self.deploy_timeout!r}")
+
+
+def import_ray():
+    """(ray, ray.serve), or RayServeError naming the extra to install."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as err:
+        raise RayServeError(f"`verispec serve --ray` needs Ray Serve, which is not installed ({err}); "
+                            f"install it with: {INSTALL_HINT}") from None
+    return ray, serve
+
+
+# -- the cluster -----------------------------------------------------------------------------------
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a "HOST:PORT" or "ray://HOST:PORT" address; None for "auto" and the like."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail fast, naming the address, when nothing listens there (`ray.init` would retry for minutes)."""
+    hp = _host_port(address)
+    if hp is None:
+        return
+    try:
+        with socket.create_connection(hp, timeout=timeout):
+            pass
+    except OSError as err:
+        raise RayServeError(f"no Ray cluster at --ray-address {address}: cannot connect to {hp[0]}:{hp[1]} "
+                            f"({err}); start one with `ray start --head` (then `--ray-address auto` on "
+                            "that machine), or omit --ray-address to start a local Ray instance") from None
+
+
+def connect(ray, options: RayOptions) -> bool:
+    """Join the cluster at `options.address`, or start a local instance. True if this call initialised
+    Ray (the caller then calls `ray.shutdown()`: it disconnects, and stops a local instance started
+    here); False for a driver already connected (e.g. a test's `ray.init`), which is used as is."""
+    if ray.is_initialized():
+        return False
+    if options.address is None:
+        ray.init(address="local", include_dashboard=False,
+                 object_store_memory=options.local_object_store_bytes)
+        return True
+    check_reachable(options.address)
+    try:
+        ray.init(address=options.address)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise RayServeError(
+            f"cannot connect to a Ray cluster at --ray-address {options.address}: {err}. If the cluster uses "
+            "token authentication (Ray's default for new local clusters since 2.59), set RAY_AUTH_MODE=token "
+            "here too, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from None
+    return True
+
+
+def check_capacity(ray, options: RayOptions) -> None:
+    """RayServeError, before anything is deployed, if the cluster lacks the CPUs for every replica."""
+    need = options.replicas * options.num_cpus
+    total = ray.cluster_resources().get("CPU", 0.0)
+    free = ray.available_resources().get("CPU", 0.0)
+    if need > free + 1e-9:
+        raise RayServeError(
+            f"not enough CPUs for {options.replicas} replica(s) x {options.num_cpus:g} CPU(s) = {need:g} "
+            f"CPUs: the Ray cluster has {free:g} of its {total:g} CPUs available; use fewer --replicas, "
+            "a smaller --num-cpus-per-replica, or add nodes (`ray start --address ...` on each)")
+
+
+# -- the deployment --------------------------------------------------------------------------------
+
+
+def build_application(config: ServeConfig, options: RayOptions):
+    """The Ray Serve application: `create_app(config)` built in each of `options.replicas` replicas."""
+    from ray import serve
+
+    def build():  # runs in the replica, after its actor starts: loads the models there
+        from ray import serve as replica_serve
+
+        import torch
+
+        from verispec.serve import create_app
+
+        torch.set_num_threads(max(1, math.floor(options.num_cpus)))  # the CPUs Ray reserved for it
+        return create_app(config, replica=replica_serve.get_replica_context().replica_tag)
+
+    class VerispecReplica:
+        def check_health(self) -> None:  # Ray Serve restarts a replica whose engine thread died
+            error = self.app.state.server.engine.error
+            if error is not None:
+                raise RuntimeError(f"the verispec engine failed: {error!r}")
+
+    ingress = serve.ingress(build)(VerispecReplica)
+    deployment = serve.deployment(
+        ingress, name=DEPLOYMENT_NAME, num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.num_cpus},
+        # the engine's own limits apply in each replica (503 queue_full past them); the proxy keeps at
+        # most max_queue more per caller, then answers 503 itself
+        max_ongoing_requests=config.max_batch + config.max_queue, max_queued_requests=config.max_queue,
+    )
+    return deployment.bind()
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b.*$",
+                             re.MULTILINE)
+
+
+def root_cause(message: str) -> str | None:
+    """The last `SomeError: ...` line of a traceback-bearing status message (a replica's own error)."""
+    found = [m.group(0) for m in _EXCEPTION_LINE.finditer(message)]
+    return found[-1].strip() if found else None
+
+
+def _failure(app_status) -> str:
+    """The application's message plus every deployment's (a replica's traceback is in the latter)."""
+    parts = [app_status.message] if app_status.message else []
+    for name, dep in getattr(app_status, "deployments", {}).items():
+        if dep.message:
+            parts.append(f"{name}: {dep.message}")
+    return "\n".join(parts) or str(app_status.status)
+
+
+def wait_running(serve, timeout: float, stop: threading.Event | None = None, poll: float = 0.5) -> None:
+    """Poll the application's status until RUNNING; RayServeError on DEPLOY_FAILED, after `timeout`, or
+    when `stop` is set (a signal while deploying)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = serve.status().applications.get(APP_NAME)
+        status = str(getattr(last, "status", ""))
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED"):
+            detail = _failure(last)
+            cause = root_cause(detail)
+            raise RayServeError(f"a replica could not start: {cause or 'see below'}\n\nRay Serve's status "
+                                f"of the verispec deployment:\n{detail}")
+        if time.monotonic() > deadline:
+            detail = _failure(last) if last is not None else "no status yet"
+            raise RayServeError(f"the verispec deployment is not running after {timeout:g} s (every replica "
+                                f"must load the models; raise --ray-deploy-timeout if they are large); "
+                                f"last status:\n{detail}")
+        if stop is not None and stop.wait(poll):
+            raise RayServeError("interrupted while deploying; the deployment was removed")
+        elif stop is None:
+            time.sleep(poll)
+
+
+def shut_down(serve) -> None:
+    """Delete the verispec application; shut Serve down too if no other application is left on it."""
+    try:
+        serve.delete(APP_NAME)
+        if not serve.status().applications:
+            serve.shutdown()
+    except Exception as err:  # noqa: BLE001  best effort: the cluster may be gone already
+        log.warning("shutting Ray Serve down: %s", err)
+
+
+def logging_config(log_level: str) -> dict:
+    """Ray Serve's logging config for a `--log-level` (uvicorn's names): access logs at info and below."""
+    level = {"trace": "DEBUG", "critical": "CRITICAL"}.get(log_level.lower(), log_level.upper())
+    return {"log_level": level, "enable_access_log": level in ("DEBUG", "INFO")}
+
+
+def http_address(host: str, port: int) -> tuple[str, int]:
+    """Where Ray Serve's proxies listen: (host, port) asked for, unless Serve already ran on the cluster
+    with other HTTP options (which `serve.start` keeps, with a warning)."""
+    try:
+        from ray.serve.context import _get_global_client  # private, hence the fallback
+
+        http = _get_global_client().http_config
+        return http.host, int(http.port)
+    except Exception:  # noqa: BLE001
+        return host, port
+
+
+def deploy(serve, config: ServeConfig, options: RayOptions, host: str = "127.0.0.1", port: int = 8000,
+           stop: threading.Event | None = None, log_level: str = "info") -> tuple[str, int]:
+    """Deploy on the connected cluster and wait until every replica runs; returns where the proxies
+    listen. On any failure (or `stop` set meanwhile) the deployment is removed before the error
+    propagates."""
+    if APP_NAME in serve.status().applications:
+        raise RayServeError(f"a Ray Serve application named '{APP_NAME}' already runs on this cluster "
+                            "(another `verispec serve --ray`?); stop it first (`serve shutdown`)")
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config=logging_config(log_level))
+        serve._run(build_application(config, options), _blocking=False, name=APP_NAME, route_prefix="/",
+                   logging_config=logging_config(log_level))
+        wait_running(serve, options.deploy_timeout, stop)
+    except BaseException:
+        shut_down(serve)
+        raise
+    return http_address(host, port)
+
+
+def start(config: ServeConfig, options: RayOptions, host: str = "127.0.0.1", port: int = 8000,
+          stop: threading.Event | None = None, log_level: str = "info") -> tuple[object, object, bool]:
+    """Connect (or start Ray), check capacity, deploy, wait until every replica runs. Returns (ray, serve,
+    owns_ray): with owns_ray, `ray.shutdown()` is the caller's. On failure nothing is left behind."""
+    ray, serve = import_ray()
+    owns_ray = connect(ray, options)
+    try:
+        check_capacity(ray, options)
+        deploy(serve, config, options, host, port, stop, log_level)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return ray, serve, owns_ray
+
+
+def serve_on_ray(config: ServeConfig, options: RayOptions, host: str = "127.0.0.1", port: int = 8000,
+                 stop: threading.Event | None = None, log_level: str = "info") -> None:
+    """`verispec serve --ray`: deploy, say where it serves, block until SIGINT/SIGTERM (or `stop` is set),
+    then remove the deployment, shut Serve down and disconnect (stopping a Ray instance started here).
+
+    The SIGINT/SIGTERM handlers go in after `ray.init`, which installs its own (SIGTERM: `sys.exit`, and
+    the core worker's fatal-signal handler that aborts the process); they stay until the end, so a
+    second signal does not cut the clean-up short."""
+    import sys
+
+    stop = stop or threading.Event()
+    ray, serve = import_ray()
+    owns_ray = connect(ray, options)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        check_capacity(ray, options)
+        where = deploy(serve, config, options, host, port, stop, log_level)
+        try:
+            if where != (host, port):
+                print(f"verispec serve: Ray Serve already ran on this cluster with its proxies on "
+                      f"{where[0]}:{where[1]}, which it keeps (not --host {host} --port {port})",
+                      file=sys.stderr, flush=True)
+            print(f"verispec serve: {options.replicas} replica(s) of '{config.target}' on Ray Serve at "
+                  f"http://{where[0]}:{where[1]} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            while not stop.wait(0.5):  # a timeout: the signal handler runs between waits
+                pass
+        finally:
+            print("verispec serve: shutting down Ray Serve", file=sys.stderr, flush=True)
+            shut_down(serve)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler installed outside Python, which cannot be restored
+                signal.signal(sig, handler)
