@@ -405,7 +405,8 @@ class RayPool:
 
     def _lost(self, worker: _Worker, unit: _Unit, err: BaseException, queue: deque) -> None:
         """A unit whose actor died goes back to the front of the queue; the worker stays only if Ray
-        restarted it (and it answers)."""
+        restarted it (and it answers: with --max-restarts the driver waits for that answer, the
+        process restart, a few seconds; the pair reloads inside the worker's next unit)."""
         unit.attempts += 1
         if unit.attempts >= MAX_ATTEMPTS:
             raise RayExecutorError(f"{unit.describe()} lost its Ray worker {unit.attempts} times (last: "
