@@ -113,8 +113,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
                      dtype=args.dtype, draft_dtype=args.draft_dtype)
+    ray_options = None
+    ray_flags = {"--address": args.address, "--workers": args.workers, "--worker-cpus": args.worker_cpus,
+                 "--max-restarts": args.max_restarts}
+    if args.executor == "ray":
+        from verispec.evaluation.ray_executor import RayOptions
+
+        ray_options = RayOptions(address=args.address, workers=args.workers,
+                                 worker_cpus=1.0 if args.worker_cpus is None else args.worker_cpus,
+                                 max_restarts=args.max_restarts or 0)
+    elif any(v is not None for v in ray_flags.values()):
+        given = ", ".join(flag for flag, v in ray_flags.items() if v is not None)
+        raise ValueError(f"{given}: only with --executor ray")
+    if args.executor == "ray" and not args.no_progress:
+        print("bench: starting the Ray workers (each loads the model pair) ...", file=sys.stderr)
     path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
-                     batch_size=args.batch_size)
+                     batch_size=args.batch_size, executor=args.executor, ray_options=ray_options)
     print(f"results: {path.resolve()}", file=sys.stderr)
     return 0 if args.no_report else print_report(args.out)
 
@@ -219,6 +233,24 @@ def build_parser() -> argparse.ArgumentParser:
                             "timings, not results: speedups compare SD and plain at the same batch size")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--no-report", action="store_true")
+    bench.add_argument("--executor", choices=["local", "ray"], default="local",
+                       help="local: decode in this process (default); ray: Ray actors, each holding the "
+                            "model pair, decode the units and this process writes the rows (needs "
+                            "pip install \"verispec[ray]\"); same rows either way, and --resume works "
+                            "across executors")
+    bench.add_argument("--address", default=None,
+                       help="with --executor ray: the cluster: auto (the one `ray start` runs), HOST:PORT, "
+                            "or ray://HOST:10001 (Ray Client); default: $RAY_ADDRESS, else a new local Ray "
+                            "instance sized to this machine")
+    bench.add_argument("--workers", type=int, default=None,
+                       help="with --executor ray: workers (actors) to start; default: as many as the "
+                            "cluster's free CPUs fit (free GPUs too with --device cuda)")
+    bench.add_argument("--worker-cpus", type=float, default=None,
+                       help="with --executor ray: CPUs each worker asks Ray for, and its torch threads "
+                            "(default 1)")
+    bench.add_argument("--max-restarts", type=int, default=None,
+                       help="with --executor ray: times Ray may restart a dead worker (default 0); its units "
+                            "are redone by the other workers either way")
     bench.set_defaults(func=cmd_bench)
 
     report = sub.add_parser("report", help="terminal table and self-contained HTML report of a sweep")
@@ -278,6 +310,7 @@ def _message(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verispec.evaluation.ray_executor import RayExecutorError
     from verispec.evaluation.store import SweepLockedError
 
     try:
@@ -286,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit.code if isinstance(exit.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError) as err:
+    except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError, RayExecutorError) as err:
         # bad input or an unusable file/directory/device: a clear message, no traceback, nothing on stdout
         print(f"verispec: error: {_message(err)}", file=sys.stderr)
         return 2

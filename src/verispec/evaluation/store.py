@@ -133,14 +133,17 @@ class DirectoryLock:
 
 
 class ResultsFile:
+    """The writer's side: `done` holds the unit keys present; rows are not kept in memory (a long sweep's
+    writer, e.g. the Ray executor's driver, grows by a key per row, not by the rows' steps)."""
+
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
         scan = scan_rows(path)
-        self.rows, self.skipped = scan.rows, scan.skipped
-        check_schema(path, self.rows, scan.lines)
-        self.done = {row["unit"] for row in self.rows if "unit" in row}
+        self.skipped = scan.skipped
+        check_schema(path, scan.rows, scan.lines)
+        self.done = {row["unit"] for row in scan.rows if "unit" in row}
         self._file = open(path, "a", encoding="utf-8")
 
     def _repair(self) -> None:
@@ -159,7 +162,6 @@ class ResultsFile:
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done.add(row["unit"])
-        self.rows.append(row)
 
     def close(self) -> None:
         self._file.close()

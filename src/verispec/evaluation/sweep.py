@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -63,8 +64,11 @@ class SweepSpec:
     draft_dtype: str = "float32"
     backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
 
-    def validate(self) -> None:
-        """Every setting checked (ValueError / TypeError naming it) before anything is written."""
+    def validate(self, device_here: bool = True) -> None:
+        """Every setting checked (ValueError / TypeError naming it) before anything is written.
+
+        `device_here=False` (the Ray executor: the models run on the workers, not on this machine) checks
+        only that the device names a torch device type; the workers check that they have it."""
         from verispec.api import DTYPES, check_device
 
         for name in ("suite", "target", "draft"):
@@ -91,7 +95,10 @@ class SweepSpec:
         for name in ("dtype", "draft_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
-        check_device(self.device)
+        if device_here:
+            check_device(self.device)
+        elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         self.configs()  # parses every rule spec
 
     def configs(self) -> list[RunConfig]:
@@ -162,8 +169,12 @@ def _settings_json(spec: SweepSpec) -> str:
     return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec)}, indent=2, sort_keys=True) + "\n"
 
 
+EXECUTORS = ("local", "ray")
+
+
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
-              batch_size: int = 1) -> Path:
+              batch_size: int = 1, executor: str = "local", ray_options=None,
+              on_row: Callable[[dict, tuple], None] | None = None) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
 
     Order: every setting is validated, the directory locked (one writer at a time), the models loaded
@@ -171,13 +182,30 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     continues only the sweep `sweep.json` describes (same settings, dtypes, device and backend);
     without a `sweep.json` it refuses rather than guess whose rows `results.jsonl` holds.
     `batch_size` (rows decoded together) changes timings, not results, so it is not part of the
-    sweep's settings: a sweep may be resumed with another batch size."""
+    sweep's settings: a sweep may be resumed with another batch size.
+
+    `executor`: "local" decodes in this process; "ray" hands the same work units to Ray actors, each
+    holding the model pair (`verispec.evaluation.ray_executor`, options in `ray_options`, a
+    `RayOptions`). This process alone writes the results file, so the rows, `--resume` and the
+    crash-safety are the same for both, and a sweep started with one executor may be resumed with the
+    other. `on_row(row, workers)` is called after each row is appended (`workers`: the live Ray actor
+    handles; empty for the local executor): a hook for tests and benchmarks."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "local" and ray_options is not None:
+        raise ValueError("ray_options apply only to executor='ray'")
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
-    from verispec.decode import check_context
 
-    spec.validate()
+    spec.validate(device_here=executor == "local")
+    if executor == "ray":
+        from verispec.evaluation.ray_executor import RayOptions, check_ray_spec, import_ray
+
+        ray_options = RayOptions() if ray_options is None else ray_options
+        ray_options.validate()
+        check_ray_spec(spec)
+        import_ray()  # Ray missing: say which extra to install before anything is locked or written
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -199,36 +227,111 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
 
         suite = load_suite(spec.suite).limit(spec.limit)
         configs = spec.configs()
-        target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
-        backend = getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a")
-        spec = replace(spec, backend=str(backend))
-        spec_json = _settings_json(spec)
-        if has_rows:
-            try:
-                old = spec_path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise ValueError(f"cannot read {spec_path}: {err}") from None
-            if old != spec_json:
-                raise ValueError(f"{spec_path} describes a different sweep "
-                                 "(settings, dtype, device, backend or "
-                                 "schema differ); resume with the same settings or use a new --out")
-        drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
         max_new = spec.max_new_tokens or suite.max_new_tokens
-        prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
-        for item, ids in zip(suite.items, prompts):
-            try:
-                check_context(target, len(ids), max_new, drafter)
-            except ValueError as err:
-                raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
         units = [(i, item, seed, c)
                  for i, item in enumerate(suite.items) for seed in spec.seeds for c in configs]
-        spec_path.write_text(spec_json, encoding="utf-8")
-        _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size)
+        if executor == "ray":
+            from verispec.evaluation.ray_executor import RayPool
+
+            if has_rows:  # everything but the backend (which the workers report), before Ray starts
+                _check_resumable(spec_path, spec, ignore_backend=True)
+            with RayPool(spec, suite, max_new, ray_options) as pool:  # starts, loads, checks contexts
+                spec = replace(spec, backend=pool.backend)
+                if has_rows:
+                    _check_resumable(spec_path, spec)
+                spec_path.write_text(_settings_json(spec), encoding="utf-8")
+                pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row)
+            return results_path
+
+        target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+        spec = replace(spec, backend=str(backend_of(target)))
+        if has_rows:
+            _check_resumable(spec_path, spec)
+        drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
+        prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
+        check_contexts(suite, prompts, target, drafter, max_new)
+        spec_path.write_text(_settings_json(spec), encoding="utf-8")
+        _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size,
+                   on_row)
     return results_path
 
 
+def backend_of(target) -> str:
+    """The backend a loaded target runs on (lean / hf), as recorded in sweep.json and every unit key."""
+    return str(getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a"))
+
+
+def check_contexts(suite: Suite, prompts: list[list[int]], target, drafter, max_new: int) -> None:
+    """Refuse (ValueError naming the prompt) a prompt + max_new that does not fit a model's context."""
+    from verispec.decode import check_context
+
+    for item, ids in zip(suite.items, prompts):
+        try:
+            check_context(target, len(ids), max_new, drafter)
+        except ValueError as err:
+            raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
+
+
+def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = False) -> None:
+    """Refuse to resume a sweep whose sweep.json describes other settings (the backend aside if asked:
+    the Ray executor learns it from its workers, and checks it again then)."""
+    try:
+        old = spec_path.read_text(encoding="utf-8")
+        if ignore_backend:
+            old_settings = json.loads(old)
+            if not isinstance(old_settings, dict):
+                raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"cannot read {spec_path}: {err}") from None
+    if ignore_backend:
+        same = {**old_settings, "backend": None} == json.loads(_settings_json(replace(spec, backend=None)))
+    else:
+        same = old == _settings_json(spec)
+    if not same:
+        raise ValueError(f"{spec_path} describes a different sweep "
+                         "(settings, dtype, device, backend or "
+                         "schema differ); resume with the same settings or use a new --out")
+
+
+def work_units(units, done: set[str], spec: SweepSpec, batch_size: int) -> list[tuple[RunConfig, list]]:
+    """The work still to do, in the order both executors hand it out: `batch_size` (prompt, seed) rows
+    at a time, every configuration on those rows back to back; each item is (config, its units)."""
+    todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in done]
+    pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
+    rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
+    configs = list(dict.fromkeys(u[3] for u in units))
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        for config in configs:
+            members = [pending[(i, seed, config)] for i, seed in chunk if (i, seed, config) in pending]
+            if members:
+                out.append((config, members))
+    return out
+
+
+def warm_up(target, drafter, prompt_ids: list[int]) -> None:
+    """One tiny decode, so the first timed unit does not pay one-off costs."""
+    warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
+    speculative_decode(target, drafter, prompt_ids, "lossless", warm, torch.Generator().manual_seed(0))
+
+
+def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members, config: RunConfig,
+                max_new: int) -> list[dict]:
+    """The finished rows of one work unit (one configuration on `members`), timed as one batch."""
+    began = time.perf_counter()
+    generations = _decode(target, drafter, prompts, members, config, max_new)
+    batch_seconds = time.perf_counter() - began
+    rows = []
+    for (index, item, seed, _), gen in zip(members, generations):
+        row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
+        row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
+        rows.append(row)
+    return rows
+
+
 def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress,
-               batch_size: int = 1) -> None:
+               batch_size: int = 1, on_row=None) -> None:
     """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
 
     Rows of one configuration are decoded together (`speculative_decode_batch`), and every
@@ -237,31 +340,18 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
     decoding, so its tokens do not depend on the batch it lands in (up to float rounding of different
     matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
     with ResultsFile(results_path) as store:
-        todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in store.done]
-        bar = _progress(len(units), len(units) - len(todo), progress)
-        if todo:  # warm up both models so the first timed unit does not pay one-off costs
-            warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
-            speculative_decode(target, drafter, prompts[0], "lossless", warm,
-                               torch.Generator().manual_seed(0))
-        pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
-        rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
-        configs = list(dict.fromkeys(u[3] for u in units))
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            for config in configs:
-                members = [pending[(i, seed, config)] for i, seed in chunk if (i, seed, config) in pending]
-                if not members:
-                    continue
-                began = time.perf_counter()
-                generations = _decode(target, drafter, prompts, members, config, max_new)
-                batch_seconds = time.perf_counter() - began
-                for (index, item, seed, _), gen in zip(members, generations):
-                    row = make_row(spec, suite, item, index, seed, config, gen,
-                                   target.decode(list(gen.token_ids)))
-                    row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
-                    store.append(row)
-                    if bar is not None:
-                        bar.update(1)
+        work = work_units(units, store.done, spec, batch_size)
+        todo = sum(len(members) for _, members in work)
+        bar = _progress(len(units), len(units) - todo, progress)
+        if work:
+            warm_up(target, drafter, prompts[0])
+        for config, members in work:
+            for row in decode_rows(spec, suite, target, drafter, prompts, members, config, max_new):
+                store.append(row)
+                if bar is not None:
+                    bar.update(1)
+                if on_row is not None:
+                    on_row(row, ())
         if bar is not None:
             bar.close()
 

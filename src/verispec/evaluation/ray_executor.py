@@ -1,0 +1,467 @@
+"""The Ray executor of a sweep (`verispec bench --executor ray`): work units decoded by Ray actors.
+
+How the work splits (docs/design.md, 'Sweeps on Ray'):
+
+- **Workers.** Each worker is a Ray actor (`SweepWorker`) that loads the model pair once, exactly as
+  `run_sweep` does (`resolve_target` / `resolve_drafter`, the sweep's device and dtypes), encodes the
+  prompts and checks them against the context. The driver (this process) loads no weights: it takes
+  the backend name and the context check from the workers' reports (they must all agree), so a big
+  pair's weights live only on the workers and the driver can be a small CPU head node.
+- **Work units.** One configuration on up to `batch_size` (prompt, seed) rows: exactly the batches
+  the local executor decodes (`sweep.work_units`), through the same code (`sweep.decode_rows`), so
+  every row, its tokens and its per-row generator (seeded by seed * 1_000_003 + prompt index) are
+  those of the local executor; only timings differ.
+- **Flow.** At most `max_in_flight` units per worker (2: one decoding, one queued), so a slow worker
+  holds little work; rows are appended as their unit returns (`ray.wait`), by the driver alone,
+  through `ResultsFile`: crash safety, deduplication and `--resume` are the local executor's.
+- **Lost workers.** A unit whose actor died (`RayActorError`; or Ray's memory monitor or a node
+  failure killed it) goes back to the front of the queue and is redone by a live worker; a unit is
+  never handed out again once its rows landed. A worker Ray restarted (`max_restarts`) stays in the
+  pool (it reloads the pair on its next unit). With no worker left the sweep stops with a clear
+  error; the rows written stay and `--resume` continues.
+
+Ray is optional (`pip install "verispec[ray]"`) and imported only here, only on this path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from verispec.evaluation.store import ResultsFile
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = 'pip install "verispec[ray]"'
+LOCAL_OBJECT_STORE_BYTES = 150 * 1024**2  # rows are kilobytes: the local instance needs little
+RAY_CLIENT_PORT = 10001
+MAX_ATTEMPTS = 3  # a unit whose worker died this many times stops the sweep (it may be what kills them)
+START_HINT = ("start one there with `ray start --head` (GCS port 6379, Ray Client port 10001), or leave "
+              "--address unset to start a local Ray instance on this machine")
+
+
+class RayExecutorError(RuntimeError):
+    """The Ray executor cannot go on; the message says why and what to do. Rows already written stay,
+    and `--resume` continues the sweep (with either executor)."""
+
+
+def import_ray():
+    """The `ray` module, or a RayExecutorError naming the extra to install."""
+    try:
+        import ray
+    except ImportError as err:
+        raise RayExecutorError(f"--executor ray needs Ray, which is not installed ({err}); install it with "
+                               f"{INSTALL_HINT}") from None
+    return ray
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide a sweep runs on Ray (none of it changes the results, so none of it is a
+    sweep setting: a sweep may be resumed with other options, or with the local executor)."""
+
+    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance; "auto"; HOST:PORT; ray://...
+    workers: int | None = None  # None: as many as the cluster's free CPUs (and GPUs for cuda) fit
+    worker_cpus: float = 1.0  # CPUs each worker asks Ray for; its torch threads
+    max_restarts: int = 0  # times Ray may restart a dead worker (its units are redone meanwhile)
+    max_in_flight: int = 2  # units handed to one worker at a time
+    ready_timeout_s: float = 120.0  # every worker must be placed and answer within this
+
+    def validate(self) -> None:
+        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
+            raise ValueError(f"Ray address must be auto, HOST:PORT or ray://HOST:PORT, got {self.address!r}")
+        for name, low in (("workers", 1), ("max_restarts", 0), ("max_in_flight", 1)):
+            value = getattr(self, name)
+            if value is None and name == "workers":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("worker_cpus", "ready_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def check_ray_spec(spec) -> None:
+    """The sweep settings the Ray executor supports: each worker runs on the CPU or on its own GPU."""
+    if spec.device not in ("cpu", "cuda"):
+        raise ValueError(f"with --executor ray the device must be cpu or cuda (each worker gets its own "
+                         f"GPU from Ray), got {spec.device!r}")
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """Fail fast (ConnectionError naming the address) when nothing listens there: ray.init would
+    otherwise retry for 30 s (ray://) or for minutes (a GCS address)."""
+    if address in ("auto", "local"):
+        return  # ray.init finds the cluster `ray start` recorded, or raises ConnectionError at once
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep and address.startswith("ray://"):
+        host, port = rest, str(RAY_CLIENT_PORT)
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"--address must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"no Ray cluster at --address {address}: cannot reach {host}:{port} "
+                              f"({err.strerror or err}); {START_HINT}") from None
+
+
+def connect(ray, address: str | None) -> bool:
+    """Connect this process to Ray; True when this call connected (so the caller disconnects).
+
+    A process already connected (a library user's own `ray.init`) keeps its connection. Otherwise
+    `address` (or $RAY_ADDRESS) names the cluster; with neither, a new local instance starts, sized to
+    this machine (its CPUs, a small object store, no dashboard)."""
+    if ray.is_initialized():
+        if address is not None:
+            raise ValueError(f"this process is already connected to Ray, so --address {address} cannot "
+                             "apply: leave it unset to use that connection")
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no per-worker FutureWarning
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": False}  # workers' logs stay in Ray's files
+    if address is None:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                 include_dashboard=False, **quiet)
+        return True
+    _probe(address)
+    try:
+        ray.init(address=address, **quiet)
+    except ConnectionError as err:
+        why = str(err).rstrip(".")
+        raise ConnectionError(f"cannot connect to a Ray cluster at --address {address}: {why}; "
+                              f"{START_HINT}") from None
+    return True
+
+
+def plan_workers(ray, options: RayOptions, device: str) -> int:
+    """How many workers to start: `options.workers`, or as many as the free resources fit; a
+    ValueError naming what is available when they do not fit (before any actor is created)."""
+    def fitting(resources: dict) -> int:
+        fit = int(resources.get("CPU", 0.0) / options.worker_cpus + 1e-9)
+        return min(fit, int(resources.get("GPU", 0.0) + 1e-9)) if device == "cuda" else fit
+
+    total = ray.cluster_resources()
+    deadline = time.monotonic() + min(10.0, options.ready_timeout_s)
+    while True:
+        free = ray.available_resources()
+        fit = fitting(free)
+        want = options.workers or 1
+        if want <= fit:
+            return options.workers or fit
+        # resources a finished job (or this process's previous sweep) held come back within moments
+        if want > fitting(total) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    cpus, gpus = free.get("CPU", 0.0), free.get("GPU", 0.0)
+    have = f"{cpus:g} of {total.get('CPU', 0.0):g} CPUs"
+    if device == "cuda":
+        have += f" and {gpus:g} of {total.get('GPU', 0.0):g} GPUs"
+    each = f"{options.worker_cpus:g} CPU" + (" + 1 GPU" if device == "cuda" else "")
+    fix = (f"use --workers {fit} or fewer, or add nodes" if fit >= 1
+           else "free some, add nodes, or lower --worker-cpus")
+    raise ValueError(f"not enough Ray resources for {want} worker(s) of {each} each: the cluster has {have} "
+                     f"available; {fix}")
+
+
+def _reason(err: BaseException) -> str:
+    """The telling line of a Ray error: the remote exception ("XError: ...") if there is one."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and not type(cause).__module__.startswith("ray"):
+        return f"{type(cause).__name__}: {cause}"
+    text = str(getattr(err, "error_msg", None) or err)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*:", line):
+            return line
+    # no remote exception (killed, out of memory, node lost): Ray's own words, less its id lines
+    words = " ".join(line for line in text.splitlines() if line.strip() and not line.startswith("\t"))
+    return (words[:500] + " ...") if len(words) > 500 else (words or type(err).__name__)
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class SweepWorker:
+    """One worker's state: the model pair, loaded once, and the prompts (RayPool makes it an actor)."""
+
+    def __init__(self, spec, suite, max_new: int, num_threads: int):
+        import torch
+
+        torch.set_num_threads(max(1, num_threads))  # the actor's num_cpus
+        self.spec, self.suite, self.max_new = spec, suite, max_new
+        self.models = None
+        self.backend = self.context_error = None
+
+    def ping(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "rss_bytes": _rss_bytes()}
+
+    def load(self) -> dict:
+        """Load the pair (once), encode the prompts, check them against the context, warm up."""
+        from verispec.api import as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
+        from verispec.evaluation.sweep import backend_of, check_contexts, warm_up
+
+        if self.models is None:
+            spec = self.spec
+            check_device(spec.device)
+            target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+            drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
+            prompts = [encode_prompt(target, item.prompt, self.suite.chat) for item in self.suite.items]
+            try:
+                check_contexts(self.suite, prompts, target, drafter, self.max_new)
+            except ValueError as err:
+                self.context_error = str(err)
+            else:
+                warm_up(target, drafter, prompts[0])
+            self.models, self.backend = (target, drafter, prompts), backend_of(target)
+        return {**self.ping(), "backend": self.backend, "context_error": self.context_error}
+
+    def decode(self, spec, config, rows: list[tuple[int, int]]) -> list[dict]:
+        """The finished rows of one work unit: `config` on the (prompt index, seed) `rows`."""
+        from verispec.evaluation.sweep import decode_rows
+
+        self.load()  # a worker Ray restarted loads the pair again here
+        if spec.backend != self.backend:
+            raise ValueError(f"this worker runs the {self.backend} backend but the sweep is on "
+                             f"{spec.backend}: set VERISPEC_BACKEND the same on every node")
+        target, drafter, prompts = self.models
+        members = [(index, self.suite.items[index], seed, config) for index, seed in rows]
+        return decode_rows(spec, self.suite, target, drafter, prompts, members, config, self.max_new)
+
+
+@dataclass
+class _Worker:
+    index: int
+    handle: object
+    where: str = "starting"
+    pid: int | None = None
+    in_flight: int = 0
+    alive: bool = True
+    restarts: int = 0
+
+
+@dataclass
+class _Unit:
+    config: object
+    members: list  # (prompt index, item, seed, config), as in sweep.work_units
+    attempts: int = 0
+    keys: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.config.id} on (prompt, seed) {[(m[0], m[2]) for m in self.members]}"
+
+
+class RayPool:
+    """The workers of one sweep: connects to Ray, checks the resources, starts the actors, waits until
+    every one is placed (with a time limit) and has loaded the pair (its own error if it cannot), and
+    runs the units. Use as a context manager: the actors are killed, and a Ray instance this pool
+    connected to is disconnected (a local one it started is stopped), on the way out."""
+
+    def __init__(self, spec, suite, max_new: int, options: RayOptions | None = None):
+        self.ray = import_ray()
+        self.options = options or RayOptions()
+        self.options.validate()
+        self.workers: list[_Worker] = []
+        self._connected = connect(self.ray, self.options.address)
+        try:
+            self._start(spec, suite, max_new, plan_workers(self.ray, self.options, spec.device))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec, suite, max_new: int, count: int) -> None:
+        ray, opts = self.ray, self.options
+        actor = ray.remote(SweepWorker).options(
+            num_cpus=opts.worker_cpus, num_gpus=1 if spec.device == "cuda" else 0,
+            max_restarts=opts.max_restarts, max_task_retries=0)
+        threads = max(1, int(opts.worker_cpus))
+        self.workers = [_Worker(i, actor.remote(spec, suite, max_new, threads)) for i in range(count)]
+        # placement: a time limit, so resources that never come are an error, not a hang
+        pings = {w.handle.ping.remote(): w for w in self.workers}
+        ready, late = ray.wait(list(pings), num_returns=len(pings), timeout=opts.ready_timeout_s)
+        for ref in ready:
+            worker = pings[ref]
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayError as err:
+                raise RayExecutorError(f"Ray worker {worker.index} could not start: {_reason(err)}") from None
+            worker.where, worker.pid = f"pid {info['pid']} on {info['node']}", info["pid"]
+        if late:
+            raise TimeoutError(
+                f"{len(late)} of {count} Ray workers were not running after {opts.ready_timeout_s:g} s "
+                f"(each asks for {opts.worker_cpus:g} CPU{' + 1 GPU' if spec.device == 'cuda' else ''}; "
+                f"available now: {ray.available_resources()}): the cluster lacks the resources or a node "
+                "is unreachable; use fewer --workers or add nodes")
+        # loading: no time limit (a big pair takes a while); a failure is the worker's own exception
+        loads = {w.handle.load.remote(): w for w in self.workers}
+        waiting, self.infos = list(loads), []
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            worker = loads[ready[0]]
+            try:
+                info = ray.get(ready[0])
+            except ray.exceptions.RayError as err:
+                raise RayExecutorError(f"Ray worker {worker.index} ({worker.where}) could not load the model "
+                                       f"pair {spec.target} + {spec.draft}: {_reason(err)}") from None
+            if info["context_error"]:
+                raise ValueError(info["context_error"])
+            self.infos.append(info)
+        backends = sorted({info["backend"] for info in self.infos})
+        if len(backends) > 1:
+            raise RayExecutorError(f"the Ray workers run different backends ({', '.join(backends)}): set "
+                                   "VERISPEC_BACKEND the same on every node")
+        self.backend = backends[0]
+        log.info("%d Ray workers ready (%s backend): %s", count, self.backend,
+                 "; ".join(w.where for w in self.workers))
+
+    def live(self) -> tuple:
+        """The live workers' actor handles."""
+        return tuple(w.handle for w in self.workers if w.alive)
+
+    def run_units(self, spec, suite, units, results_path, progress: bool, batch_size: int,
+                  on_row: Callable[[dict, tuple], None] | None = None) -> None:
+        """Hand the units not yet in the results file to the workers; append their rows as they land."""
+        from verispec.evaluation.sweep import _progress, unit_key, work_units
+
+        ray = self.ray
+        with ResultsFile(results_path) as store:
+            work = work_units(units, store.done, spec, batch_size)
+            queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
+                          for config, members in work)
+            bar = _progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
+            in_flight: dict = {}  # object ref -> (worker, unit)
+            try:
+                while queue or in_flight:
+                    self._hand_out(spec, queue, in_flight, store.done)
+                    if not in_flight:
+                        if not queue:
+                            break  # the last units' rows had all landed already
+                        raise RayExecutorError(
+                            f"all {len(self.workers)} Ray workers were lost; {len(store.done)} of "
+                            f"{len(units)} rows are written in {results_path}: run the same command with "
+                            "--resume to continue (with either executor)")
+                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=1.0)
+                    if not ready:
+                        continue
+                    worker, unit = in_flight.pop(ready[0])
+                    worker.in_flight -= 1
+                    try:
+                        rows = ray.get(ready[0])
+                    except self._lost_worker_errors() as err:
+                        self._lost(worker, unit, err, queue)
+                        continue
+                    except ray.exceptions.RayError as err:
+                        raise RayExecutorError(f"Ray worker {worker.index} ({worker.where}) failed on "
+                                               f"{unit.describe()}: {_reason(err)}") from None
+                    for row in rows:
+                        store.append(row)
+                        if bar is not None:
+                            bar.update(1)
+                        if on_row is not None:
+                            on_row(row, self.live())
+            finally:
+                if bar is not None:
+                    bar.close()
+
+    def _lost_worker_errors(self) -> tuple:
+        """Errors that mean the worker's process is gone (not that the decode raised): the actor died,
+        Ray's memory monitor killed it, or its node died."""
+        exceptions = self.ray.exceptions
+        names = ("RayActorError", "OutOfMemoryError", "NodeDiedError", "WorkerCrashedError",
+                 "LocalRayletDiedError")
+        return tuple(getattr(exceptions, name) for name in names if hasattr(exceptions, name))
+
+    def _hand_out(self, spec, queue: deque, in_flight: dict, done: set[str]) -> None:
+        """Top every live worker up to `max_in_flight` units, one round at a time (fair shares)."""
+        for slot in range(self.options.max_in_flight):
+            for worker in self.workers:
+                while worker.alive and worker.in_flight <= slot and queue:
+                    unit = queue.popleft()
+                    kept = [(m, k) for m, k in zip(unit.members, unit.keys) if k not in done]
+                    if not kept:
+                        continue  # its rows landed already: never hand it out again
+                    unit.members, unit.keys = [m for m, _ in kept], [k for _, k in kept]
+                    rows = [(m[0], m[2]) for m in unit.members]
+                    in_flight[worker.handle.decode.remote(spec, unit.config, rows)] = (worker, unit)
+                    worker.in_flight += 1
+
+    def _lost(self, worker: _Worker, unit: _Unit, err: BaseException, queue: deque) -> None:
+        """A unit whose actor died goes back to the front of the queue; the worker stays only if Ray
+        restarted it (and it answers: with --max-restarts the driver waits for that answer, the
+        process restart, a few seconds; the pair reloads inside the worker's next unit)."""
+        unit.attempts += 1
+        if unit.attempts >= MAX_ATTEMPTS:
+            raise RayExecutorError(f"{unit.describe()} lost its Ray worker {unit.attempts} times (last: "
+                                   f"{_reason(err)}): the unit itself may be killing workers (out of "
+                                   "memory?); the rows written stay, and --resume continues")
+        queue.appendleft(unit)
+        if not worker.alive:
+            return
+        pid = worker.pid
+        if self.options.max_restarts > 0 and self._answers(worker):  # Ray counts the restarts it allows
+            if worker.pid != pid:
+                worker.restarts += 1
+                log.warning("Ray worker %d was restarted (%s); its units are redone", worker.index,
+                            _reason(err))
+            return
+        worker.alive = False
+        self._kill(worker)
+        log.warning("Ray worker %d (%s) was lost (%s); its units go to the %d remaining", worker.index,
+                    worker.where, _reason(err), len(self.live()))
+
+    def _answers(self, worker: _Worker) -> bool:
+        """Whether a worker whose unit failed is (again) alive: Ray restarted it, or it is restarting
+        (calls fail as 'unavailable' meanwhile) and comes back within the ready time limit."""
+        exceptions = self.ray.exceptions
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        while True:
+            try:
+                info = self.ray.get(worker.handle.ping.remote(),
+                                    timeout=max(1.0, deadline - time.monotonic()))
+            except exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.5)
+                continue
+            except (exceptions.RayError, TimeoutError):
+                return False
+            worker.where, worker.pid = f"pid {info['pid']} on {info['node']}", info["pid"]
+            return True
+
+    def _kill(self, worker: _Worker) -> None:
+        try:
+            self.ray.kill(worker.handle)
+        except Exception:  # already gone
+            pass
+
+    def close(self) -> None:
+        for worker in self.workers:
+            self._kill(worker)
+        self.workers = []
+        if self._connected:
+            self.ray.shutdown()
+            self._connected = False
+
+    def __enter__(self) -> RayPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
