@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.evaluation.store import ResultsFile
+from verispec.models.hf import proc_kib_field
 
 log = logging.getLogger(__name__)
 
@@ -187,17 +188,6 @@ def _reason(err: BaseException) -> str:
     return (words[:500] + " ...") if len(words) > 500 else (words or type(err).__name__)
 
 
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class SweepWorker:
     """One worker's state: the model pair, loaded once, and the prompts (RayPool makes it an actor)."""
 
@@ -212,7 +202,8 @@ class SweepWorker:
     def ping(self) -> dict:
         import ray
 
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "rss_bytes": _rss_bytes()}
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "rss_bytes": proc_kib_field("/proc/self/status", "VmRSS")}
 
     def load(self) -> dict:
         """Load the pair (once), encode the prompts, check them against the context, warm up."""

@@ -153,16 +153,22 @@ def weight_count(directory: Path) -> int | None:
     return total
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says a new allocation can get (MemAvailable), None where it does not say."""
+def proc_kib_field(path: str, field: str) -> int | None:
+    """Bytes of a `Field:  N kB` line of a /proc file (/proc/meminfo, /proc/self/status), None where
+    the file or the field is missing (not Linux)."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can get (MemAvailable), None where it does not say."""
+    return proc_kib_field("/proc/meminfo", "MemAvailable")
 
 
 def check_memory(directory: Path, dtype: torch.dtype, device: str, name: str) -> None:
