@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     on_ray.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
     on_ray.add_argument("--ray-address", default=None,
                      help="the cluster to join: auto (the one `ray start --head` started on this machine), "
-                          "HOST:PORT or ray://HOST:PORT (default: start a local Ray instance)")
+                          "HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a new local instance)")
     on_ray.add_argument("--num-cpus-per-replica", type=float, default=None,
                      help="CPUs Ray reserves for each replica; also its torch threads (default 1)")
     on_ray.add_argument("--ray-deploy-timeout", type=float, default=None,

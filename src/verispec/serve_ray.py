@@ -22,16 +22,15 @@ import logging
 import math
 import re
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
+from verispec import ray_cluster
 from verispec.serve import ServeConfig
 
 APP_NAME = "verispec"
 DEPLOYMENT_NAME = "VerispecServer"
-INSTALL_HINT = 'pip install "verispec[ray]"'
 
 log = logging.getLogger(__name__)
 
@@ -62,59 +61,23 @@ class RayOptions:
 def import_ray():
     """(ray, ray.serve), or RayServeError naming the extra to install."""
     try:
-        import ray
-        from ray import serve
+        return ray_cluster.require("ray", "`verispec serve --ray`"), \
+            ray_cluster.require("ray.serve", "`verispec serve --ray`", "Ray Serve")
     except ImportError as err:
-        raise RayServeError(f"`verispec serve --ray` needs Ray Serve, which is not installed ({err}); "
-                            f"install it with: {INSTALL_HINT}") from None
-    return ray, serve
+        raise RayServeError(str(err)) from None
 
 
 # -- the cluster -----------------------------------------------------------------------------------
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of a "HOST:PORT" or "ray://HOST:PORT" address; None for "auto" and the like."""
-    rest = address.removeprefix("ray://")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail fast, naming the address, when nothing listens there (`ray.init` would retry for minutes)."""
-    hp = _host_port(address)
-    if hp is None:
-        return
-    try:
-        with socket.create_connection(hp, timeout=timeout):
-            pass
-    except OSError as err:
-        raise RayServeError(f"no Ray cluster at --ray-address {address}: cannot connect to {hp[0]}:{hp[1]} "
-                            f"({err}); start one with `ray start --head` (then `--ray-address auto` on "
-                            "that machine), or omit --ray-address to start a local Ray instance") from None
-
-
 def connect(ray, options: RayOptions) -> bool:
-    """Join the cluster at `options.address`, or start a local instance. True if this call initialised
-    Ray (the caller then calls `ray.shutdown()`: it disconnects, and stops a local instance started
-    here); False for a driver already connected (e.g. a test's `ray.init`), which is used as is."""
-    if ray.is_initialized():
-        return False
-    if options.address is None:
-        ray.init(address="local", include_dashboard=False,
-                 object_store_memory=options.local_object_store_bytes)
-        return True
-    check_reachable(options.address)
+    """Join the cluster at `options.address` (else $RAY_ADDRESS, else start a local instance:
+    `ray_cluster.connect`). True if this call initialised Ray (the caller then calls `ray.shutdown()`);
+    False for a driver already connected (e.g. a test's `ray.init`), which is used as is."""
     try:
-        ray.init(address=options.address)
-    except (ConnectionError, ValueError, RuntimeError) as err:
-        raise RayServeError(
-            f"cannot connect to a Ray cluster at --ray-address {options.address}: {err}. If the cluster uses "
-            "token authentication (Ray's default for new local clusters since 2.59), set RAY_AUTH_MODE=token "
-            "here too, with the cluster's token in ~/.ray/auth_token or RAY_AUTH_TOKEN") from None
-    return True
+        return ray_cluster.connect(ray, options.address, "--ray-address", options.local_object_store_bytes)
+    except (ConnectionError, ValueError) as err:
+        raise RayServeError(str(err)) from None
 
 
 def check_capacity(ray, options: RayOptions) -> None:

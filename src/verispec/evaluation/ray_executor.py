@@ -20,7 +20,8 @@ How the work splits (docs/design.md, 'Sweeps on Ray'):
   pool (it reloads the pair on its next unit). With no worker left the sweep stops with a clear
   error; the rows written stay and `--resume` continues.
 
-Ray is optional (`pip install "verispec[ray]"`) and imported only here, only on this path.
+Ray is optional (`pip install "verispec[ray]"`) and imported only on this path; joining the cluster
+(`verispec.ray_cluster`) is shared with `verispec serve --ray`.
 """
 
 from __future__ import annotations
@@ -28,23 +29,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from verispec import ray_cluster
 from verispec.evaluation.store import ResultsFile
 from verispec.models.hf import proc_kib_field
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = 'pip install "verispec[ray]"'
 LOCAL_OBJECT_STORE_BYTES = 150 * 1024**2  # rows are kilobytes: the local instance needs little
-RAY_CLIENT_PORT = 10001
 MAX_ATTEMPTS = 3  # a unit whose worker died this many times stops the sweep (it may be what kills them)
-START_HINT = ("start one there with `ray start --head` (GCS port 6379, Ray Client port 10001), or leave "
-              "--address unset to start a local Ray instance on this machine")
 
 
 class RayExecutorError(RuntimeError):
@@ -55,11 +52,9 @@ class RayExecutorError(RuntimeError):
 def import_ray():
     """The `ray` module, or a RayExecutorError naming the extra to install."""
     try:
-        import ray
+        return ray_cluster.require("ray", "--executor ray")
     except ImportError as err:
-        raise RayExecutorError(f"--executor ray needs Ray, which is not installed ({err}); install it with "
-                               f"{INSTALL_HINT}") from None
-    return ray
+        raise RayExecutorError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -96,51 +91,10 @@ def check_ray_spec(spec) -> None:
                          f"GPU from Ray), got {spec.device!r}")
 
 
-def _probe(address: str, timeout: float = 5.0) -> None:
-    """Fail fast (ConnectionError naming the address) when nothing listens there: ray.init would
-    otherwise retry for 30 s (ray://) or for minutes (a GCS address)."""
-    if address in ("auto", "local"):
-        return  # ray.init finds the cluster `ray start` recorded, or raises ConnectionError at once
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
-    host, sep, port = rest.rpartition(":")
-    if not sep and address.startswith("ray://"):
-        host, port = rest, str(RAY_CLIENT_PORT)
-    host = host.strip("[]")
-    if not host or not port.isdigit():
-        raise ValueError(f"--address must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as err:
-        raise ConnectionError(f"no Ray cluster at --address {address}: cannot reach {host}:{port} "
-                              f"({err.strerror or err}); {START_HINT}") from None
-
-
 def connect(ray, address: str | None) -> bool:
-    """Connect this process to Ray; True when this call connected (so the caller disconnects).
-
-    A process already connected (a library user's own `ray.init`) keeps its connection. Otherwise
-    `address` (or $RAY_ADDRESS) names the cluster; with neither, a new local instance starts, sized to
-    this machine (its CPUs, a small object store, no dashboard)."""
-    if ray.is_initialized():
-        if address is not None:
-            raise ValueError(f"this process is already connected to Ray, so --address {address} cannot "
-                             "apply: leave it unset to use that connection")
-        return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no per-worker FutureWarning
-    quiet = {"logging_level": logging.WARNING, "log_to_driver": False}  # workers' logs stay in Ray's files
-    if address is None:
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                 include_dashboard=False, **quiet)
-        return True
-    _probe(address)
-    try:
-        ray.init(address=address, **quiet)
-    except ConnectionError as err:
-        why = str(err).rstrip(".")
-        raise ConnectionError(f"cannot connect to a Ray cluster at --address {address}: {why}; "
-                              f"{START_HINT}") from None
-    return True
+    """Connect this process to Ray (`ray_cluster.connect`: `address`, else $RAY_ADDRESS, else a new local
+    instance); True when this call connected, so the caller disconnects. Workers' logs stay in Ray's files."""
+    return ray_cluster.connect(ray, address, "--address", LOCAL_OBJECT_STORE_BYTES, quiet=True)
 
 
 def plan_workers(ray, options: RayOptions, device: str) -> int:

@@ -1,0 +1,90 @@
+"""Joining a Ray cluster, shared by the Ray sweep executor (`verispec bench --executor ray`) and
+`verispec serve --ray` (docs/design.md, 'Sweeps on Ray' and 'Serving on Ray').
+
+Ray is optional (`pip install "verispec[ray]"`) and imported only through `require`. An address is
+checked with a TCP connection before `ray.init`, which would otherwise retry an unreachable address for
+30 s (Ray Client) or for minutes (a GCS address). Errors are the standard ones (ImportError,
+ValueError, ConnectionError) with messages that name the flag; each caller wraps them in its own type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+
+INSTALL_HINT = 'pip install "verispec[ray]"'
+RAY_CLIENT_PORT = 10001
+START_HINT = ("start one there with `ray start --head` (GCS port 6379, Ray Client port 10001; then "
+              "`auto` on that machine), or leave the address unset to start a local Ray instance here")
+AUTH_HINT = ("if the cluster uses token authentication (Ray's default for new local clusters since 2.59), "
+             "set RAY_AUTH_MODE=token here too, with the cluster's token in ~/.ray/auth_token or "
+             "RAY_AUTH_TOKEN")
+
+
+def require(module: str, needed_by: str, what: str = "Ray"):
+    """Import `module` (ray, ray.serve), or ImportError naming what needs it and the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{needed_by} needs {what}, which is not installed ({err}); install it with "
+                          f"{INSTALL_HINT}") from None
+
+
+def host_port(address: str, flag: str) -> tuple[str, int] | None:
+    """(host, port) of "HOST:PORT", "ray://HOST:PORT" or "ray://HOST" (port 10001); None for auto/local
+    (`ray.init` finds the cluster `ray start` recorded, or fails at once). ValueError if malformed."""
+    if address in ("auto", "local"):
+        return None
+    client = address.startswith("ray://")
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep and client:
+        host, port = rest, str(RAY_CLIENT_PORT)
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def probe(address: str, flag: str, timeout: float = 5.0) -> None:
+    """ConnectionError naming `flag` and the address when nothing listens there."""
+    where = host_port(address, flag)
+    if where is None:
+        return
+    try:
+        socket.create_connection(where, timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"no Ray cluster at {flag} {address}: cannot connect to {where[0]}:{where[1]} "
+                              f"({err.strerror or err}); {START_HINT}") from None
+
+
+def connect(ray, address: str | None, flag: str, local_object_store_bytes: int, quiet: bool = False) -> bool:
+    """Connect this process to Ray; True when this call connected (the caller then calls
+    `ray.shutdown()`, which also stops a local instance started here).
+
+    A process already connected (a library user's or a test's own `ray.init`) keeps its connection,
+    and then `address` must be None. Otherwise `address` (or $RAY_ADDRESS) names the cluster; with
+    neither, a new local instance starts, sized to this machine's CPUs, with a small object store and
+    no dashboard. `quiet`: Ray's own log lines at WARNING, and workers' output stays in Ray's log files."""
+    if ray.is_initialized():
+        if address is not None:
+            raise ValueError(f"this process is already connected to Ray, so {flag} {address} cannot apply: "
+                             "leave it unset to use that connection")
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no per-worker FutureWarning
+    options = {"logging_level": logging.WARNING, "log_to_driver": False} if quiet else {}
+    if address is None:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=local_object_store_bytes,
+                 include_dashboard=False, **options)
+        return True
+    probe(address, flag)
+    try:
+        ray.init(address=address, **options)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        why = str(err).rstrip(".")
+        raise ConnectionError(f"cannot connect to a Ray cluster at {flag} {address}: {why}; {START_HINT}; "
+                              f"{AUTH_HINT}") from None
+    return True
