@@ -283,3 +283,25 @@ def test_binary_score_intervals_and_mcnemar():
             row["score"] = 1.0
     cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
     assert cos["discordant"] == (0, 3) and cos["p_value"] == pytest.approx(0.25) and cos["flag"] == ""
+
+
+def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
+    """A sweep resumed with another --batch-size holds rows of one config at two sizes: the speedup
+    compares each row with its plain row only where both ran at the same size (throughput grows with
+    the batch, so a batch-12 row against a batch-4 plain row would inflate it)."""
+    def row(config: str, rule: str, prompt: int, batch_size: int, batch_seconds: float) -> dict:
+        return {"unit": f"{config}{prompt}", "config": config, "rule": rule, "family": "x",
+                "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                "tokens": 10, "seconds": 99.0,
+                "target_calls": 4, "proposed": 8, "accepted": 6, "log_ratio": 0.0, "mean_tv": 0.0,
+                "target_nll": 2.0, "score": 1.0, "score_name": "pass_at_1", "steps": {},
+                "batch_size": batch_size, "batch_seconds": batch_seconds}
+
+    plain = [row("plain T=1", "plain", p, 4, 4.0) for p in range(4)]  # 10 tokens/s per row
+    fast = [row("lossless k=4 T=1", "lossless", p, 4, 2.0) for p in range(2)]  # 20 tokens/s at batch 4
+    big = [row("lossless k=4 T=1", "lossless", p, 12, 1.2) for p in range(2, 4)]  # 100 tokens/s at 12
+    summary = {s["config"]: s for s in summarize(plain + fast + big)}
+    assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(2.0)  # batch-4 pairs only
+    assert summary["lossless k=4 T=1"]["batch_sizes"] == [4, 12]
+    alone = {s["config"]: s for s in summarize(plain + big)}
+    assert math.isnan(alone["lossless k=4 T=1"]["speedup"])  # no pair at the same size: no figure

@@ -4,7 +4,8 @@
 it. Definitions (docs/design.md, section 'Words'): acceptance rate = accepted / proposed draft
 tokens; block efficiency = emitted tokens / target forward passes; speedup = throughput of the config
 / throughput of plain decoding over the same (prompt, seed) units of the same sweep, run interleaved at
-the same batch size (a row's time is its batch's wall time / batch size).
+the same batch size (a row's time is its batch's wall time / batch size; a unit whose plain row was
+decoded at another batch size, as after a resume with another --batch-size, is left out of it).
 Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
 (score differences against the config's baseline: the honest truncation sampler for a truncation
 rule, lossless speculative decoding otherwise, plain decoding for lossless itself). Where every score
@@ -92,6 +93,10 @@ def _row_seconds(row: dict) -> float:
     return float(row["seconds"])
 
 
+def _batch_size(row: dict) -> int:
+    return int(row.get("batch_size", 1))
+
+
 def _finite(xs) -> list[float]:
     return [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
 
@@ -129,7 +134,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                                  / max(1, sum(r["target_calls"] for r in group)))
         plain_id = config_of.get(("plain", 0, r0["temperature"]))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
-        pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0]
+        # only pairs decoded at the same batch size: a sweep resumed with another --batch-size may hold
+        # a row at one size and its plain row at another, and throughput grows with the batch
+        pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
+                 and _batch_size(a) == _batch_size(b)]
         if pairs:
             mine = sum(a["tokens"] for a, _ in pairs) / sum(_row_seconds(a) for a, _ in pairs)
             plain = sum(b["tokens"] for _, b in pairs) / sum(_row_seconds(b) for _, b in pairs)
@@ -138,7 +146,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["speedup"] = math.nan
         s["tokens_per_second"] = (sum(r["tokens"] for r in group)
                                   / max(1e-9, sum(_row_seconds(r) for r in group)))
-        s["batch_sizes"] = sorted({int(r.get("batch_size", 1)) for r in group})
+        s["batch_sizes"] = sorted({_batch_size(r) for r in group})
         steps = defaultdict(list)
         for r in group:
             for key, values in r.get("steps", {}).items():
