@@ -277,6 +277,10 @@ def test_binary_score_intervals_and_mcnemar():
 
     text = terminal_table(list(summary.values()))
     assert "0.333 [0.14, 0.61]" in text and "0.00781 (+0/-8)" in text
+    markdown = terminal_table(list(summary.values()), markdown=True).splitlines()  # `report --markdown`
+    assert markdown[0].startswith("| config | accept |") and markdown[1].startswith("|---|")
+    assert markdown[3].startswith("| cos:w=0.9 k=4 T=1 |") and "| 0.333 [0.14, 0.61] |" in markdown[3]
+    assert len(markdown) == 2 + 2 + 2  # header, rule, 2 rows, blank line, legend
     # 3 of 12 discordant: a negative difference that is not significant is not flagged
     for row in rows:
         if row["config"].startswith("cos") and int(row["prompt_id"]) >= 3:

@@ -27,3 +27,13 @@ def test_readme_catalogue_matches_cli():
     out = run_cli("rules", "--markdown")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in (ROOT / "README.md").read_text(), "README table is stale: regenerate it"
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`verispec rules | head -1` and the like: the reader leaves early; verispec exits 141 (SIGPIPE's
+    shell status) with nothing on stderr, not an error message or a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "verispec", "rules", "--markdown"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child writes anything: its first write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err

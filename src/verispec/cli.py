@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -94,11 +95,11 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
               "budget:tv=0.05,ratio=2")
 
 
-def print_report(results: str, html: str | None = None) -> int:
+def print_report(results: str, html: str | None = None, markdown: bool = False) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
     from verispec.evaluation.report import write_report
 
-    table, html_path = write_report(results, html)
+    table, html_path = write_report(results, html, markdown)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -134,7 +135,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    return print_report(args.dir, args.html)
+    return print_report(args.dir, args.html, args.markdown)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -256,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="terminal table and self-contained HTML report of a sweep")
     report.add_argument("dir", help="a sweep's output directory (or its results.jsonl)")
     report.add_argument("--html", default=None, help="where to write the HTML (default: DIR/report.html)")
+    report.add_argument("--markdown", action="store_true",
+                        help="print the table as GitHub markdown (for a README or a paper's notes)")
     report.set_defaults(func=cmd_report)
 
     demo = sub.add_parser("demo",
@@ -319,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit.code if isinstance(exit.code, int) else 2
     try:
         return args.func(args)
+    except BrokenPipeError:  # `verispec report DIR | head`: the reader left; no error message, as `cat`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, the shell's status for a process killed by a broken pipe
     except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError, RayExecutorError) as err:
         # bad input or an unusable file/directory/device: a clear message, no traceback, nothing on stdout
         print(f"verispec: error: {_message(err)}", file=sys.stderr)

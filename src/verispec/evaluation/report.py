@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import mean, stdev
 
 from verispec.evaluation.store import check_schema, scan_rows
-from verispec.tables import text_table
+from verispec.tables import markdown_table, text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
 OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
@@ -277,13 +277,16 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def terminal_table(summary: list[dict]) -> str:
+def terminal_table(summary: list[dict], markdown: bool = False) -> str:
+    """The report table as aligned text, or (`markdown`) a GitHub markdown table, with its legend."""
     head, body = table_rows(summary)
     score_name = summary[0]["score_name"] if summary else "score"
     legend = (f"(score = {score_name} with its 95% CI (Wilson for 0/1 scores); Δscore is paired against "
               "each row's baseline (95% t-interval); McNemar p: exact test on the discordant pairs "
               "(+row wins/-baseline wins), 0/1 scores only; WORSE = significantly below the baseline;"
               f" speedup vs plain decoding at the same batch size: {_batch_sizes(summary)})")
+    if markdown:
+        return markdown_table(head, body) + "\n\n" + legend
     return text_table(head, body) + "\n" + legend
 
 
@@ -481,8 +484,10 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     return kept, notes
 
 
-def write_report(results_dir: str | Path, html_path: str | Path | None = None) -> tuple[str, Path]:
-    """Summarise OUT_DIR/results.jsonl: returns the terminal table and the path of the HTML report.
+def write_report(results_dir: str | Path, html_path: str | Path | None = None,
+                 markdown: bool = False) -> tuple[str, Path]:
+    """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
+    table, e.g. for a README) and the path of the HTML report.
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
@@ -518,5 +523,5 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None) -
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
     html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
-    table = terminal_table(summary)
+    table = terminal_table(summary, markdown)
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
