@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,9 @@ def test_readme_catalogue_matches_cli():
 def test_a_closed_pipe_ends_quietly():
     """`verispec rules | head -1` and the like: the reader leaves early; verispec exits 141 (SIGPIPE's
     shell status) with nothing on stderr, not an error message or a traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered
     proc = subprocess.Popen([sys.executable, "-m", "verispec", "rules", "--markdown"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env=env)
     proc.stdout.close()  # before the child writes anything: its first write meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err

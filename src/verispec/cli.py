@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit:  # --help (0) or a usage error (2, already printed)
         return exit.code if isinstance(exit.code, int) else 2
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a block-buffered pipe's last write happens here, inside the handlers
+        return code
     except BrokenPipeError:  # `verispec report DIR | head`: the reader left; no error message, as `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE, the shell's status for a process killed by a broken pipe

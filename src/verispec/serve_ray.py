@@ -60,9 +60,9 @@ class RayOptions:
 
 def import_ray():
     """(ray, ray.serve), or RayServeError naming the extra to install."""
+    needed_by = "`verispec serve --ray`"
     try:
-        return ray_cluster.require("ray", "`verispec serve --ray`"), \
-            ray_cluster.require("ray.serve", "`verispec serve --ray`", "Ray Serve")
+        return ray_cluster.require("ray", needed_by), ray_cluster.require("ray.serve", needed_by, "Ray Serve")
     except ImportError as err:
         raise RayServeError(str(err)) from None
 

@@ -89,7 +89,7 @@ def _row_seconds(row: dict) -> float:
     """A row's share of the wall time of the batch it was decoded in (its own time at batch 1), so
     tokens / seconds is throughput at that batch size."""
     if "batch_seconds" in row:
-        return float(row["batch_seconds"]) / max(1, int(row.get("batch_size", 1)))
+        return float(row["batch_seconds"]) / max(1, _batch_size(row))
     return float(row["seconds"])
 
 

@@ -1,0 +1,85 @@
+"""Figures read from a committed sweep's rows (no decoding), for benchmarks/RESULTS.md.
+
+- per batch size: each configuration's rows, tokens, wall time of its units, throughput, speedup over
+  plain decoding (`verispec.evaluation.report.summarize` on that batch size's rows only), and the
+  median per-row time per target pass and per draft step (the batch's prompt prefill included);
+- configurations that decoded identical tokens on every shared (prompt, seed) unit;
+- with --fence-stop (named Qwen targets): how many generated tokens come before the closing ``` of
+  the first code block (re-tokenised with the target's tokenizer): what a stop string there saves.
+
+    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from collections import defaultdict
+
+from verispec.evaluation.report import summarize
+from verispec.evaluation.store import read_rows
+
+
+def timings(rows: list[dict]) -> None:
+    by_size = defaultdict(list)
+    for row in rows:
+        by_size[int(row.get("batch_size", 1))].append(row)
+    for size, group in sorted(by_size.items()):
+        print(f"\nbatch size {size}")
+        print(f"{'config':56} rows tokens unit_s  tok/s speedup target_s/pass draft_s/step")
+        for s in summarize(group):
+            mine = [r for r in group if r["config"] == s["config"]]
+            unit_seconds = sum(r["batch_seconds"] / r["batch_size"] for r in mine)  # the units' wall time
+            per_pass = statistics.median(r["target_seconds"] / r["target_calls"] for r in mine)
+            drafts = [r["draft_seconds"] / r["draft_calls"] for r in mine if r["draft_calls"]]
+            draft = f"{statistics.median(drafts):.3f}" if drafts else "-"
+            tokens = sum(r["tokens"] for r in mine)
+            print(f"{s['config'][:56]:56} {len(mine):4} {tokens:6} {unit_seconds:6.0f} "
+                  f"{s['tokens_per_second']:6.2f} {s['speedup']:7.3f} {per_pass:13.3f} {draft:>12}")
+
+
+def identical(rows: list[dict]) -> None:
+    tokens = defaultdict(dict)  # config -> (prompt, seed) -> token ids
+    for row in rows:
+        tokens[row["config"]][(row["prompt_id"], row["seed"])] = row["token_ids"]
+    print("\nconfigurations with identical tokens on every shared unit:")
+    for a, b in itertools.combinations(tokens, 2):
+        shared = tokens[a].keys() & tokens[b].keys()
+        if shared and all(tokens[a][u] == tokens[b][u] for u in shared):
+            print(f"  {a}  ==  {b}  ({len(shared)} units)")
+
+
+def fence_stop(rows: list[dict], target: str) -> None:
+    """Needs the target's tokenizer only: a named Qwen model's cached directory."""
+    from transformers import AutoTokenizer
+
+    from verispec.models import qwen
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen.locate(qwen.PART_SETS[target]))
+    before = total = 0
+    for row in rows:
+        text, n = row["text"], row["tokens"]
+        start = text.find("```")
+        end = text.find("```", start + 3) if start >= 0 else -1
+        total += n
+        before += min(n, len(tokenizer(text[: end + 3])["input_ids"])) if end >= 0 else n
+    print(f"\nfence stop: {before} of {total} tokens before the closing fence; "
+          f"a stop string there saves {1 - before / total:.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", help="a sweep's --out directory")
+    parser.add_argument("--fence-stop", action="store_true", help="also measure a closing-fence stop string")
+    args = parser.parse_args()
+    rows = read_rows(f"{args.sweep}/results.jsonl")
+    timings(rows)
+    identical(rows)
+    if args.fence_stop:
+        fence_stop(rows, rows[0]["target"])
+
+
+if __name__ == "__main__":
+    main()
