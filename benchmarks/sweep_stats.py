@@ -5,9 +5,11 @@
   median per-row time per target pass and per draft step (the batch's prompt prefill included);
 - configurations that decoded identical tokens on every shared (prompt, seed) unit;
 - with --fence-stop (named Qwen targets): how many generated tokens come before the closing ``` of
-  the first code block (re-tokenised with the target's tokenizer): what a stop string there saves.
+  the first code block (re-tokenised with the target's tokenizer): what a stop string there saves;
+- with --rescore: every row's text scored again by its suite on this (quiet) machine, and the rows
+  whose score differs (e.g. a correct program that timed out while the sweep loaded the machine).
 
-    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop
+    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop --rescore
 """
 
 from __future__ import annotations
@@ -68,17 +70,39 @@ def fence_stop(rows: list[dict], target: str) -> None:
           f"a stop string there saves {1 - before / total:.1%}")
 
 
+def rescore(rows: list[dict]) -> None:
+    from verispec.evaluation.suites import load_suite
+
+    suites = {}
+    changed = []
+    for row in rows:
+        if row["suite"] not in suites:
+            suites[row["suite"]] = load_suite(row["suite"])
+        suite = suites[row["suite"]]
+        item = next(i for i in suite.items if i.id == row["prompt_id"])
+        again = suite.score(row["text"], item).get(row["score_name"])
+        if again != row["score"]:
+            changed.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}): "
+                           f"{row['score']} in the sweep, {again} now")
+    print(f"\nrescored {len(rows)} rows: {len(changed)} differ")
+    for line in changed:
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a sweep's --out directory")
     parser.add_argument("--fence-stop", action="store_true", help="also measure a closing-fence stop string")
+    parser.add_argument("--rescore", action="store_true", help="score every row's text again")
     args = parser.parse_args()
     rows = read_rows(f"{args.sweep}/results.jsonl")
     timings(rows)
     identical(rows)
     if args.fence_stop:
         fence_stop(rows, rows[0]["target"])
+    if args.rescore:
+        rescore(rows)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,70 @@ def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
         run_sweep(SweepSpec(target=TARGET, draft=DRAFT), tmp_path / "y")
 
 
+@pytest.mark.slow
+def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
+    """`--reuse-from`: the rows of a narrower sweep are copied, not decoded again (plain excepted: the
+    speed reference is re-timed with the new rows), and the result equals decoding everything here."""
+    from dataclasses import replace
+
+    from verispec.evaluation.sweep import SweepSpec, run_sweep
+
+    narrow = SweepSpec(suite="shakespeare", target=TARGET, draft=DRAFT, rules=("lenience:l=0.5",), limit=2,
+                       max_new_tokens=12)
+    run_sweep(narrow, tmp_path / "a", progress=False, batch_size=2)
+    a_rows = {r["unit"]: r for r in read_rows(tmp_path / "a" / "results.jsonl")}
+    wide = replace(narrow, rules=("lenience:l=0.5", "cos:w=0.5"), limit=3)
+    decoded: list[str] = []
+    run_sweep(wide, tmp_path / "b", progress=False, batch_size=2, reuse_from=tmp_path / "a",
+              on_row=lambda row, _: decoded.append(row["unit"]))
+    b_rows = {r["unit"]: r for r in read_rows(tmp_path / "b" / "results.jsonl")}
+    assert len(b_rows) == 3 * 4  # 3 prompts x (plain, lossless, lenience, cos)
+    copied = {u for u, r in b_rows.items() if "reused_from" in r}
+    assert copied == {u for u, r in a_rows.items() if r["rule"] != "plain"} and len(copied) == 2 * 2
+    for unit in copied:
+        row = dict(b_rows[unit])
+        assert row.pop("reused_from") == str(tmp_path / "a")
+        assert row == a_rows[unit]  # byte for byte, timings and batch size included
+    assert sorted(decoded) == sorted(set(b_rows) - copied)  # the rest (plain everywhere) decoded here
+    # the copies are what this sweep would have decoded (same batches here: identical numerics)
+    run_sweep(wide, tmp_path / "c", progress=False, batch_size=2)
+    c_rows = read_rows(tmp_path / "c" / "results.jsonl")
+    assert comparable([{k: v for k, v in r.items() if k != "reused_from"} for r in b_rows.values()]) == \
+        comparable(c_rows)
+    # the report says which rows were copied, and times only rows decoded beside their plain row
+    table, _ = write_report(tmp_path / "b")
+    assert f"4 row(s) copied from {tmp_path / 'a'} (--reuse-from)" in table
+    summary = {s["rule"]: s for s in summarize(list(b_rows.values()))}
+    new = {r["rule"]: r for r in b_rows.values() if r["prompt_index"] == 2}  # decoded here, at batch 1
+    assert new["lossless"]["unit"] not in copied and new["plain"]["batch_size"] == 1
+    expected = new["lossless"]["tokens"] / new["lossless"]["batch_seconds"] / (
+        new["plain"]["tokens"] / new["plain"]["batch_seconds"])
+    assert summary["lossless"]["speedup"] == pytest.approx(expected)
+    assert summary["lossless"]["units"] == 3  # every other column counts the copies
+    # several sources, the first holding a unit wins; a copy of a copy names the sweep that decoded it
+    decoded.clear()
+    run_sweep(wide, tmp_path / "g", progress=False, batch_size=2, reuse_from=[tmp_path / "b", tmp_path / "a"],
+              on_row=lambda row, _: decoded.append(row["unit"]))
+    g_rows = {r["unit"]: r for r in read_rows(tmp_path / "g" / "results.jsonl")}
+    assert sorted(decoded) == sorted(u for u, r in g_rows.items() if r["rule"] == "plain")  # plain only
+    assert {u: r["reused_from"] for u, r in g_rows.items() if r["rule"] != "plain"} == {
+        u: str(tmp_path / ("a" if u in copied else "b")) for u, r in b_rows.items() if r["rule"] != "plain"}
+    # other settings (here max_new_tokens) give other unit keys: nothing is copied
+    other = replace(wide, max_new_tokens=10, limit=1)
+    run_sweep(other, tmp_path / "d", progress=False, batch_size=2, reuse_from=tmp_path / "a")
+    assert not any("reused_from" in r for r in read_rows(tmp_path / "d" / "results.jsonl"))
+    # bad sources are refused before anything is written
+    with pytest.raises(FileNotFoundError, match="no results file"):
+        run_sweep(wide, tmp_path / "e", progress=False, reuse_from=tmp_path / "missing")
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(ValueError, match="own output"):
+        run_sweep(wide, tmp_path / "b", resume=True, progress=False, reuse_from=tmp_path / "b")
+    assert read_rows(tmp_path / "b" / "results.jsonl") == list(b_rows.values())
+    done = subprocess.run(bench_cmd(tmp_path / "f", "--reuse-from", str(tmp_path / "missing")),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "no results file" in done.stderr and not (tmp_path / "f").exists()
+
+
 def console_messages(html_path: Path, tmp_path: Path) -> tuple[str, list[str]]:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -278,7 +342,7 @@ def test_binary_score_intervals_and_mcnemar():
     text = terminal_table(list(summary.values()))
     assert "0.333 [0.14, 0.61]" in text and "0.00781 (+0/-8)" in text
     markdown = terminal_table(list(summary.values()), markdown=True).splitlines()  # `report --markdown`
-    assert markdown[0].startswith("| config | accept |") and markdown[1].startswith("|---|")
+    assert markdown[0].startswith("| config | n | accept |") and markdown[1].startswith("|---|")
     assert markdown[3].startswith("| cos:w=0.9 k=4 T=1 |") and "| 0.333 [0.14, 0.61] |" in markdown[3]
     assert len(markdown) == 2 + 2 + 2  # header, rule, 2 rows, blank line, legend
     # 3 of 12 discordant: a negative difference that is not significant is not flagged
@@ -287,6 +351,90 @@ def test_binary_score_intervals_and_mcnemar():
             row["score"] = 1.0
     cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
     assert cos["discordant"] == (0, 3) and cos["p_value"] == pytest.approx(0.25) and cos["flag"] == ""
+    assert cos["score_diff_interval"][0] < -0.25 < cos["score_diff_interval"][1] < 0.1  # Newcombe's
+    # a NaN score (a scorer that could not run) leaves its pair out instead of switching McNemar off
+    rows[-1]["score"] = math.nan
+    cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
+    assert cos["paired_units"] == 11 and cos["discordant"] == (0, 3) and cos["units"] == 12
+
+
+def test_t_quantiles_percentiles_and_large_mcnemar():
+    """Student-t quantiles beyond the table (df > 30), the overshoot percentile and McNemar with
+    thousands of discordant pairs, against scipy / numpy."""
+    import numpy as np
+    from scipy.stats import binomtest
+    from scipy.stats import t as student_t
+
+    from verispec.evaluation.report import mcnemar_exact, percentile, t_interval, t_quantile_975
+
+    for df in range(1, 400):
+        assert t_quantile_975(df) == pytest.approx(student_t.ppf(0.975, df), rel=4e-4 if df <= 30 else 1e-6)
+    values = [0.3 * i % 1.7 for i in range(44)]  # n = 44: t(43) = 2.017, not 1.96
+    half = student_t.ppf(0.975, 43) * np.std(values, ddof=1) / math.sqrt(44)
+    assert t_interval(values)[1] == pytest.approx(half, rel=1e-6)
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101):
+        xs = sorted(rng.exponential(size=n).tolist())
+        assert percentile(xs, 0.95) == pytest.approx(float(np.percentile(xs, 95)), rel=1e-12)
+    assert percentile([1.0, 2.0, math.inf], 0.95) == math.inf and math.isnan(percentile([], 0.95))
+    for better, worse in ((480, 560), (600, 600), (3000, 3100)):
+        want = binomtest(better, better + worse).pvalue
+        assert mcnemar_exact(better, worse) == pytest.approx(want, rel=1e-9)
+
+
+def test_newcombe_paired_interval():
+    """Newcombe's square-and-add interval for a paired difference (method 10): the published example,
+    the edge cases a t-interval gets wrong, and its coverage by simulation."""
+    import numpy as np
+
+    from verispec.evaluation.report import newcombe_paired_interval
+
+    # Cavo et al. 2012 in Fagerland, Lydersen & Laake (2017), ch. 8: -0.0621 (-0.1186 to -0.0046)
+    lo, hi = newcombe_paired_interval(59, 6, 16, 80)
+    assert (round(lo, 4), round(hi, 4)) == (-0.1186, -0.0046)
+    # swapping the roles mirrors the interval
+    assert newcombe_paired_interval(59, 16, 6, 80) == pytest.approx((-hi, -lo))
+    # no discordant pair: the difference is 0 but not known exactly (a t-interval says 0 +- 0)
+    lo, hi = newcombe_paired_interval(8, 0, 0, 4)
+    assert lo < 0 < hi and hi - lo > 0.2
+    assert all(math.isnan(x) for x in newcombe_paired_interval(0, 0, 0, 0))  # no pairs
+    assert newcombe_paired_interval(0, 12, 0, 0)[1] == 1.0  # clipped to [-1, 1]
+    # coverage at n = 44 with few discordant pairs (the sweeps' regime): near 95%
+    rng = np.random.default_rng(1)
+    probs = np.array([0.55, 0.06, 0.10, 0.29])  # both, only row, only baseline, neither
+    truth = probs[1] - probs[2]
+    draws = rng.multinomial(44, probs, size=4000)
+    intervals = [newcombe_paired_interval(*map(int, d)) for d in draws]
+    covered = np.mean([lo <= truth <= hi for lo, hi in intervals])
+    assert 0.93 <= covered <= 0.975, covered
+
+
+def test_report_seq_kl_and_unit_sets():
+    """An infinite log-ratio (a token the target gives probability 0) makes the sequence KL infinite,
+    never a smaller finite mean; configurations over different units get a note."""
+    from verispec.evaluation.report import timeout_notes, unit_set_notes
+
+    def row(config, rule, prompt, log_ratio=0.5):
+        return {"unit": f"{config}{prompt}", "config": config, "rule": rule, "family": "x",
+                "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                "log_ratio": log_ratio, "mean_tv": 0.1, "target_nll": 2.0, "score": 1.0,
+                "score_name": "pass_at_1", "steps": {}}
+
+    rows = [row("cos:w=0.9 k=4 T=0", "cos:w=0.9", p, math.inf if p == 2 else 0.5) for p in range(4)]
+    rows += [row("lossless k=4 T=0", "lossless", p, 0.0) for p in range(3)]
+    summary = {s["config"]: s for s in summarize(rows)}
+    assert summary["cos:w=0.9 k=4 T=0"]["seq_kl"] == math.inf
+    assert summary["lossless k=4 T=0"]["seq_kl"] == 0.0
+    (note,) = unit_set_notes(rows)
+    assert "cos:w=0.9 k=4 T=0: 4, lossless k=4 T=0: 3; 3 in all of them" in note
+    assert unit_set_notes(rows[:3] + rows[4:]) == []
+    # execution-scored rows that failed by timeout are named (the machine's failure, maybe not the rule's)
+    rows[1]["metrics"] = {"pass_at_1": 0.0, "timed_out": 1.0}
+    rows[4]["metrics"] = {"pass_at_1": 0.0, "timed_out": 0.0}
+    (note,) = timeout_notes(rows)
+    assert note.startswith("1 row(s) failed by timeout") and "cos:w=0.9 k=4 T=0 / 1 (seed 0)" in note
+    assert timeout_notes(rows[2:]) == []
 
 
 def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
@@ -309,3 +457,7 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     assert summary["lossless k=4 T=1"]["batch_sizes"] == [4, 12]
     alone = {s["config"]: s for s in summarize(plain + big)}
     assert math.isnan(alone["lossless k=4 T=1"]["speedup"])  # no pair at the same size: no figure
+    # a row copied from another sweep (--reuse-from) was timed beside that sweep's plain rows, not these
+    copied = [{**r, "reused_from": "elsewhere"} for r in fast]
+    mixed = {s["config"]: s for s in summarize(plain + copied)}
+    assert math.isnan(mixed["lossless k=4 T=1"]["speedup"]) and mixed["lossless k=4 T=1"]["units"] == 2

@@ -87,8 +87,10 @@ def test_humaneval_suite_when_installed():
     item = suite.items[0]
     solution = item.meta["code_prompt"] + (
         "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n")
-    assert suite.score(f"```python\n{solution}```", item)["pass_at_1"] == 1.0
-    assert suite.score("```python\nwhile True: pass\n```", item)["pass_at_1"] == 0.0
+    assert suite.score(f"```python\n{solution}```", item) == {"pass_at_1": 1.0, "timed_out": 0.0}
+    assert suite.score("```python\nwhile True: pass\n```", item) == {"pass_at_1": 0.0, "timed_out": 1.0}
+    assert suite.score("```python\ndef has_close_elements(numbers, threshold):\n    return True\n```",
+                       item) == {"pass_at_1": 0.0, "timed_out": 0.0}  # a wrong answer is not a timeout
 
 
 @pytest.mark.slow

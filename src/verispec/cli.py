@@ -129,7 +129,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.executor == "ray" and not args.no_progress:
         print("bench: starting the Ray workers (each loads the model pair) ...", file=sys.stderr)
     path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
-                     batch_size=args.batch_size, executor=args.executor, ray_options=ray_options)
+                     batch_size=args.batch_size, executor=args.executor, ray_options=ray_options,
+                     reuse_from=args.reuse_from)
     print(f"results: {path.resolve()}", file=sys.stderr)
     return 0 if args.no_report else print_report(args.out)
 
@@ -232,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=8,
                        help="(prompt, seed) rows decoded together per configuration (default 8); changes "
                             "timings, not results: speedups compare SD and plain at the same batch size")
+    bench.add_argument("--reuse-from", nargs="+", default=None, metavar="DIR",
+                       help="copy the rows other sweeps already decoded for the same units (same models, "
+                            "dtypes, device, prompts, seeds and configurations) instead of decoding them "
+                            "again; plain decoding is always re-run, so speedups stay measured in this run")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--no-report", action="store_true")
     bench.add_argument("--executor", choices=["local", "ray"], default="local",

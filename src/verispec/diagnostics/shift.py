@@ -4,8 +4,9 @@ At every emitted position the token's exact law given its prefix is known: `rule
 draft position (accepted or recovered token), the rule's bonus law (p for every rule but greedy) at
 the bonus position. From it, in float64: TV and KL to the target, TV to the rule's honest baseline,
 overshoot (max law/p, mass on tokens with p below a tail threshold), the token's log-likelihood
-ratio log law(x) - log p(x) (summed over a sequence: an unbiased estimate of sequence-level
-KL(rule || target) when averaged over samples), and acceptance expected vs realised.
+ratio log law(x) - log p(x) (summed over a sequence and averaged over samples: an unbiased estimate
+of the path-level KL, an upper bound on the sequence-level KL(rule || target); docs/design.md, 'Rule
+anatomy'), and acceptance expected vs realised.
 """
 
 from __future__ import annotations

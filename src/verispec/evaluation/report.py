@@ -9,9 +9,12 @@ decoded at another batch size, as after a resume with another --batch-size, is l
 Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
 (score differences against the config's baseline: the honest truncation sampler for a truncation
 rule, lossless speculative decoding otherwise, plain decoding for lossless itself). Where every score
-is 0 or 1 (pass@1, exact match) the score's interval is Wilson's (Wilson 1927) and the paired test is
+is 0 or 1 (pass@1, exact match) the score's interval is Wilson's (Wilson 1927), the paired
+difference's is Newcombe's square-and-add interval (Newcombe 1998, method 10) and the paired test is
 McNemar's exact test (McNemar 1947: a two-sided binomial test on the discordant pairs); a row is
-flagged WORSE when its paired difference is negative and significant at 5%.
+flagged WORSE when its paired difference is negative and significant at 5%. Configurations that
+cover different units (a sweep stopped part-way through a chunk) are named in a note: their scores
+are over different problems, and only the paired columns compare like with like.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import base64
 import html
 import io
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, stdev
 
@@ -34,15 +37,28 @@ _T975 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
          2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
+def t_quantile_975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom: the table for df <= 30, beyond it
+    the Cornish-Fisher expansion in 1/df (Abramowitz & Stegun 26.7.5; error < 1e-5 for df > 30)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959963984540054
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+
+
 def t_interval(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% t-interval); half-width NaN for fewer than two values."""
+    """(mean, half-width of the 95% t-interval) of the finite values; half-width NaN for fewer than two.
+    A caller whose values may be infinite decides what that means before calling (see `summarize`)."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return math.nan, math.nan
     if len(vals) < 2:
         return vals[0], math.nan
-    q = _T975[len(vals) - 2] if len(vals) - 1 <= len(_T975) else 1.96
-    return mean(vals), q * stdev(vals) / math.sqrt(len(vals))
+    return mean(vals), t_quantile_975(len(vals) - 1) * stdev(vals) / math.sqrt(len(vals))
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -57,12 +73,53 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 
 def mcnemar_exact(better: int, worse: int) -> float:
     """Two-sided exact McNemar p-value from the discordant pair counts (row passes and its baseline
-    fails: `better`; the other way round: `worse`): a binomial(better + worse, 1/2) test; 1.0 with none."""
+    fails: `better`; the other way round: `worse`): a binomial(better + worse, 1/2) test; 1.0 with none.
+    Integer arithmetic to the last division (exactly rounded), so any number of pairs works."""
     n = better + worse
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2.0**n
-    return min(1.0, 2.0 * tail)
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def newcombe_paired_interval(both: int, better: int, worse: int, neither: int,
+                             z: float = 1.959964) -> tuple[float, float]:
+    """95% interval of a paired difference of proportions, p(row passes) - p(baseline passes), from the
+    2x2 table of pairs (both pass, only the row, only the baseline, neither): Newcombe's square-and-add
+    interval from the two Wilson intervals and the pairs' (continuity-corrected) phi correlation
+    (Newcombe 1998, Statistics in Medicine 17:2635, method 10). Unlike a t-interval on the 0/+-1
+    differences it has width when no pair is discordant and keeps its coverage with few discordant
+    pairs. (nan, nan) for no pairs."""
+    n = both + better + worse + neither
+    if n == 0:
+        return math.nan, math.nan
+    row, base = (both + better) / n, (both + worse) / n
+    row_lo, row_hi = wilson_interval(both + better, n, z)
+    base_lo, base_hi = wilson_interval(both + worse, n, z)
+    margins = (both + better) * (worse + neither) * (both + worse) * (better + neither)
+    cross = both * neither - better * worse
+    # Newcombe's phi: a positive cross-product is shrunk by n/2 (a continuity correction), down to 0
+    cross = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
+    phi = cross / math.sqrt(margins) if margins else 0.0
+    down = math.sqrt(max(0.0, (row - row_lo) ** 2 - 2 * phi * (row - row_lo) * (base_hi - base)
+                         + (base_hi - base) ** 2))
+    up = math.sqrt(max(0.0, (row_hi - row) ** 2 - 2 * phi * (row_hi - row) * (base - base_lo)
+                       + (base - base_lo) ** 2))
+    return max(-1.0, row - base - down), min(1.0, row - base + up)
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linearly interpolated between order statistics (numpy's default;
+    an infinite neighbour gives inf); NaN for none."""
+    if not ordered:
+        return math.nan
+    at = q * (len(ordered) - 1)
+    lo, frac = int(at), at - int(at)
+    if frac == 0 or lo + 1 == len(ordered):
+        return ordered[lo]
+    if math.inf in (ordered[lo], ordered[lo + 1]):
+        return math.inf
+    return ordered[lo] + frac * (ordered[lo + 1] - ordered[lo])
 
 
 def _binary(values: list) -> bool:
@@ -95,6 +152,10 @@ def _row_seconds(row: dict) -> float:
 
 def _batch_size(row: dict) -> int:
     return int(row.get("batch_size", 1))
+
+
+def _is_score(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _finite(xs) -> list[float]:
@@ -135,9 +196,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         plain_id = config_of.get(("plain", 0, r0["temperature"]))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
         # only pairs decoded at the same batch size: a sweep resumed with another --batch-size may hold
-        # a row at one size and its plain row at another, and throughput grows with the batch
+        # a row at one size and its plain row at another, and throughput grows with the batch; and only
+        # pairs timed in the same run: a row copied by --reuse-from was timed beside another run's plain
         pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
-                 and _batch_size(a) == _batch_size(b)]
+                 and _batch_size(a) == _batch_size(b) and a.get("reused_from") == b.get("reused_from")]
         if pairs:
             mine = sum(a["tokens"] for a, _ in pairs) / sum(_row_seconds(a) for a, _ in pairs)
             plain = sum(b["tokens"] for _, b in pairs) / sum(_row_seconds(b) for _, b in pairs)
@@ -159,14 +221,16 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["tv_baseline"] = sum(tvb) / len(tvb) if tvb else math.nan
         ratios = sorted(_finite(steps["max_ratio"])
                         + [math.inf] * sum(1 for x in steps["max_ratio"] if x == math.inf))
-        s["overshoot_p95"] = ratios[int(0.95 * (len(ratios) - 1))] if ratios else math.nan
+        s["overshoot_p95"] = percentile(ratios, 0.95)
         s["overshoot_max"] = ratios[-1] if ratios else math.nan
         s["tail_mass"] = sum(_finite(steps["tail_mass"])) / n_steps
         s["seq_kl"], s["seq_kl_ci"] = t_interval([r["log_ratio"] for r in group])
+        if any(r["log_ratio"] == math.inf for r in group):  # a token the target gives probability 0
+            s["seq_kl"], s["seq_kl_ci"] = math.inf, math.nan
         tokens = sum(r["tokens"] for r in group)
         s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
         s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
-        scores = [r["score"] for r in group if r["score"] is not None and math.isfinite(r["score"])]
+        scores = [r["score"] for r in group if _is_score(r["score"])]
         s["score"], s["score_ci"] = t_interval(scores)
         s["binary_score"] = _binary(scores)
         s["score_interval"] = (wilson_interval(int(sum(scores)), len(scores)) if s["binary_score"] else
@@ -178,15 +242,20 @@ def summarize(rows: list[dict]) -> list[dict]:
         if base_id:
             for r in group:
                 b = index.get((base_id, r["prompt_id"], r["seed"]))
-                if b is not None and r["score"] is not None and b["score"] is not None:
+                if b is not None and _is_score(r["score"]) and _is_score(b["score"]):
                     paired.append((r["score"], b["score"]))
         s["score_diff"], s["score_diff_ci"] = t_interval([a - b for a, b in paired])
+        diff, half = s["score_diff"], s["score_diff_ci"]
+        s["score_diff_interval"] = (diff - half, diff + half)
         s["paired_units"] = len(paired)
         if paired and _binary([v for pair in paired for v in pair]):
             better = sum(1 for a, b in paired if a > b)
             worse_count = sum(1 for a, b in paired if a < b)
+            both = sum(1 for a, b in paired if a == b == 1)
             s["discordant"] = (better, worse_count)
             s["p_value"] = mcnemar_exact(better, worse_count)
+            s["score_diff_interval"] = newcombe_paired_interval(both, better, worse_count,
+                                                                len(paired) - both - better - worse_count)
             worse = s["score_diff"] < 0 and s["p_value"] < 0.05
         else:
             s["discordant"], s["p_value"] = None, math.nan
@@ -254,13 +323,23 @@ def _p_text(s: dict) -> str:
     return f"{s['p_value']:.3g} (+{better}/-{worse})"
 
 
+def _diff_text(s: dict) -> str:
+    """The paired difference with its interval: Newcombe's [lo, hi] for 0/1 scores, else its t half-width."""
+    if not s["baseline"]:
+        return "-"
+    if s.get("discordant") is not None and all(math.isfinite(x) for x in s["score_diff_interval"]):
+        lo, hi = s["score_diff_interval"]
+        return f"{s['score_diff']:+.3f} [{lo:+.2f}, {hi:+.2f}]"
+    return _pm(s["score_diff"], s["score_diff_ci"])
+
+
 def _pm(value, half) -> str:
     return (_fmt(value) if not (isinstance(half, float) and math.isfinite(half))
             else f"{_fmt(value)}±{_fmt(half)}")
 
 
 COLUMNS = [
-    ("config", "config"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"),
+    ("config", "config"), ("n", "units"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"),
     ("speedup", "speedup"), ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"),
     ("overshoot p95", "overshoot_p95"), ("tail mass", "tail_mass"), ("target NLL", "target_nll"),
 ]
@@ -272,7 +351,7 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
     for s in summary:
         body.append([_fmt(s[key]) if key != "config" else s[key] for _, key in COLUMNS] + [
             _pm(s["seq_kl"], s["seq_kl_ci"]), _score_text(s),
-            _pm(s["score_diff"], s["score_diff_ci"]) if s["baseline"] else "-", _p_text(s), s["flag"],
+            _diff_text(s), _p_text(s), s["flag"],
         ])
     return head, body
 
@@ -281,8 +360,9 @@ def terminal_table(summary: list[dict], markdown: bool = False) -> str:
     """The report table as aligned text, or (`markdown`) a GitHub markdown table, with its legend."""
     head, body = table_rows(summary)
     score_name = summary[0]["score_name"] if summary else "score"
-    legend = (f"(score = {score_name} with its 95% CI (Wilson for 0/1 scores); Δscore is paired against "
-              "each row's baseline (95% t-interval); McNemar p: exact test on the discordant pairs "
+    legend = (f"(n = units (prompt x seed); score = {score_name} with its 95% CI (Wilson for 0/1 scores); "
+              "Δscore is paired against each row's baseline on the units both have (95% interval: "
+              "Newcombe's for 0/1 scores, else t); McNemar p: exact test on the discordant pairs "
               "(+row wins/-baseline wins), 0/1 scores only; WORSE = significantly below the baseline;"
               f" speedup vs plain decoding at the same batch size: {_batch_sizes(summary)})")
     if markdown:
@@ -404,11 +484,14 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                  "vs target): the path-level KL, an upper bound on the sequence-level KL (docs/design.md, "
                  "'Rule anatomy'), 95% CI; "
                  "Δscore: paired difference to the row's baseline (honest truncation sampler for truncation "
-                 "rules, lossless SD otherwise), 95% t-interval; score: 95% CI (Wilson's for 0/1 scores "
+                 "rules, lossless SD otherwise, plain decoding for lossless) on the units both have, 95% "
+                 "interval (Newcombe's paired score interval for 0/1 scores, else t); n: units (prompt x "
+                 "seed) of the row; score: 95% CI (Wilson's for 0/1 scores "
                  "such as pass@1); McNemar p: exact two-sided test on the discordant pairs (+row wins / "
                  "-baseline wins), 0/1 scores only. tail mass: mean mass the rule's law puts on tokens the "
                  "target gives less than 1e-3; target NLL: the target model's own negative log-likelihood "
-                 "per token of the generated text (temperature 1, no truncation). Rows in red are "
+                 "per token of the generated text (temperature 1, no truncation), averaged over rows. "
+                 "Rows in red are "
                  "significantly below their baseline.</p>")
     figs = plots(summary)
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
@@ -484,6 +567,33 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     return kept, notes
 
 
+def unit_set_notes(rows: list[dict]) -> list[str]:
+    """A note when the configurations do not all cover the same (prompt, seed) units, e.g. a sweep
+    stopped part-way through a chunk: their score columns are then over different problems."""
+    units: dict[str, set] = defaultdict(set)
+    for row in rows:
+        units[row["config"]].add((row["prompt_id"], row["seed"]))
+    if len({frozenset(u) for u in units.values()}) <= 1:
+        return []
+    common = set.intersection(*units.values())
+    counts = ", ".join(f"{config}: {len(u)}" for config, u in units.items())
+    return [f"the configurations cover different units ({counts}; {len(common)} in all of them): each "
+            "score is over its own units: compare configurations through the paired columns (Δscore, "
+            "McNemar), or finish the sweep (--resume)"]
+
+
+def timeout_notes(rows: list[dict]) -> list[str]:
+    """A note naming the rows an execution-scored suite failed by timeout: on a loaded machine a correct
+    program can time out, so such a failure may be the machine's, not the rule's."""
+    timed_out = [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
+    if not timed_out:
+        return []
+    named = ", ".join(f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out[:8])
+    more = f" and {len(timed_out) - 8} more" if len(timed_out) > 8 else ""
+    return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}{more}; a correct "
+            "program can time out on a loaded machine, so check them before reading their scores"]
+
+
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                  markdown: bool = False) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
@@ -507,6 +617,10 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                         f"line(s) {_lines_text(scan.skipped_lines)}")
     for note in notes:
         logging.getLogger(__name__).warning(note)
+    notes += unit_set_notes(rows) + timeout_notes(rows)
+    for source, count in Counter(r["reused_from"] for r in rows if "reused_from" in r).items():
+        notes.append(f"{count} row(s) copied from {source} (--reuse-from): decoded and timed there, so "
+                     "their speedup is that sweep's report's, not this one's")
     if not rows:
         raise ValueError(f"no usable results in {path}" + (": " + "; ".join(notes) if notes else ""))
     summary = summarize(rows)

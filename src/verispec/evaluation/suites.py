@@ -85,8 +85,10 @@ def arithmetic() -> Suite:
 
 def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10.0):
     def score(output: str, item: Item) -> dict[str, float]:
-        passed, _ = scorers.run_program(program_of(output, item), timeout=timeout)
-        return {"pass_at_1": float(passed)}
+        passed, reason = scorers.run_program(program_of(output, item), timeout=timeout)
+        # a timeout is a failure, but on a loaded machine a correct program can hit it: the row says so
+        # and the report counts such rows (`report.timeout_notes`)
+        return {"pass_at_1": float(passed), "timed_out": float(reason.startswith("timeout"))}
     return score
 
 

@@ -19,11 +19,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile
+from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, scan_rows
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
 from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
                              speculative_decode, speculative_decode_batch)
@@ -174,7 +174,8 @@ EXECUTORS = ("local", "ray")
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
               batch_size: int = 1, executor: str = "local", ray_options=None,
-              on_row: Callable[[dict, tuple], None] | None = None) -> Path:
+              on_row: Callable[[dict, tuple], None] | None = None,
+              reuse_from: str | Path | Sequence[str | Path] | None = None) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
 
     Order: every setting is validated, the directory locked (one writer at a time), the models loaded
@@ -189,7 +190,13 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     `RayOptions`). This process alone writes the results file, so the rows, `--resume` and the
     crash-safety are the same for both, and a sweep started with one executor may be resumed with the
     other. `on_row(row, workers)` is called after each row is appended (`workers`: the live Ray actor
-    handles; empty for the local executor): a hook for tests and benchmarks."""
+    handles; empty for the local executor): a hook for tests and benchmarks.
+
+    `reuse_from`: other sweeps' directories (or results files). Their rows whose unit key a unit of this
+    sweep has (same suite, models, dtypes, device, backend, prompt, seed, rule, k, temperature and
+    max_new_tokens: the same result) are copied instead of decoded, marked `reused_from`, with their
+    own timings; plain decoding is never copied, so every speedup of a newly decoded row is measured
+    against plain rows timed in this run (`reuse_rows`)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if executor not in EXECUTORS:
@@ -207,6 +214,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         check_ray_spec(spec)
         import_ray()  # Ray missing: say which extra to install before anything is locked or written
     out_dir = Path(out_dir)
+    sources = [] if reuse_from is None else read_reusable(reuse_from, out_dir / "results.jsonl")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -240,6 +248,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 if has_rows:
                     _check_resumable(spec_path, spec)
                 spec_path.write_text(_settings_json(spec), encoding="utf-8")
+                reuse_rows(spec, units, sources, results_path, progress)
                 pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row)
             return results_path
 
@@ -251,9 +260,58 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
         check_contexts(suite, prompts, target, drafter, max_new)
         spec_path.write_text(_settings_json(spec), encoding="utf-8")
+        reuse_rows(spec, units, sources, results_path, progress)
         _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size,
                    on_row)
     return results_path
+
+
+def read_reusable(sources, results_path: Path) -> list[tuple[str, list[dict]]]:
+    """(source, rows) of each sweep in `sources` (directories or results files) for `reuse_rows`, read
+    before anything is locked, loaded or written: a missing or unreadable source, this sweep's own
+    results file, or rows of another schema are refused (FileNotFoundError / ValueError naming it)."""
+    out = []
+    for source in [sources] if isinstance(sources, (str, Path)) else list(sources):
+        path = Path(source) / "results.jsonl" if Path(source).is_dir() else Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"--reuse-from: no results file at {path} (give another sweep's --out "
+                                    "directory)")
+        if results_path.exists() and path.resolve() == results_path.resolve():
+            raise ValueError(f"--reuse-from {source} is this sweep's own output; to continue it use --resume")
+        scan = scan_rows(path)
+        check_schema(path, scan.rows, scan.lines)
+        out.append((str(source), scan.rows))
+    return out
+
+
+def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, list[dict]]], results_path: Path,
+               progress: bool = False) -> int:
+    """Append the rows of other sweeps (`read_reusable`; the first source holding a unit wins) that are
+    results of this sweep's units not yet done: same unit key, and the row's own prompt, seed and
+    configuration agree with it. Plain decoding is not copied (it is the speed reference: re-decoded
+    here, beside this run's rows). Each copy keeps its tokens, metrics and timings (batch size
+    included) and gains `reused_from`: the sweep that decoded it, kept through copies of copies.
+    Returns the count."""
+    wanted = {unit_key(spec, item, seed, config): (item.id, seed, config.id)
+              for _, item, seed, config in units if config.rule != PLAIN}
+    total = 0
+    with ResultsFile(results_path) as store:
+        for source, rows in sources:
+            copied = 0
+            for row in rows:
+                unit = row.get("unit")
+                if unit not in wanted or unit in store.done:
+                    continue
+                if (row.get("prompt_id"), row.get("seed"), row.get("config")) != wanted[unit]:
+                    log.warning("--reuse-from %s: the row of unit %s does not match its key; not copied",
+                                source, unit)
+                    continue
+                store.append({**row, "reused_from": row.get("reused_from", source)})
+                copied += 1
+            if progress:
+                print(f"sweep: copied {copied} row(s) from {source} (--reuse-from)", file=sys.stderr)
+            total += copied
+    return total
 
 
 def backend_of(target) -> str:
