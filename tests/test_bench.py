@@ -435,6 +435,10 @@ def test_report_seq_kl_and_unit_sets():
     (note,) = timeout_notes(rows)
     assert note.startswith("1 row(s) failed by timeout") and "cos:w=0.9 k=4 T=0 / 1 (seed 0)" in note
     assert timeout_notes(rows[2:]) == []
+    from verispec.evaluation.report import _fmt
+
+    formatted = (_fmt(7765444.0), _fmt(1.25), _fmt(math.inf), _fmt(math.nan))
+    assert formatted == ("7.77e+06", "1.250", "inf", "-")  # overshoot in the millions stays readable
 
 
 def test_speedup_pairs_rows_decoded_at_the_same_batch_size():

@@ -304,7 +304,7 @@ def _fmt(x, digits: int = 3) -> str:
     if isinstance(x, float) and math.isinf(x):
         return "inf"
     if isinstance(x, float):
-        return f"{x:.{digits}f}"
+        return f"{x:.{digits}g}" if abs(x) >= 1e5 else f"{x:.{digits}f}"  # overshoot reaches 1e6 and more
     return str(x)
 
 
