@@ -146,6 +146,28 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
         assert config in table
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_cleanly_and_resume_finishes_it(tmp_path):
+    """Ctrl-C (SIGINT) on `bench`: exit 130 with one line naming --resume, no traceback, rows kept."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(bench_cmd(out, "--batch-size", "1", "--no-report"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "verispec: interrupted" in err and "--resume" in err and "Traceback" not in err, err
+    kept = read_rows(out / "results.jsonl")
+    assert 2 <= len(kept) < 30
+    done = subprocess.run(bench_cmd(out, "--batch-size", "1", "--no-report", "--resume"), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = read_rows(out / "results.jsonl")
+    assert len(rows) == 30 and len({r["unit"] for r in rows}) == 30 and rows[: len(kept)] == kept
+
+
 def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
     path = tmp_path / "results.jsonl"
     with ResultsFile(path) as store:

@@ -329,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a block-buffered pipe's last write happens here, inside the handlers
         return code
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; a sweep's finished rows are already on disk
+        hint = " (every finished row is saved: the same command with --resume continues)" if (
+            getattr(args, "func", None) is cmd_bench) else ""
+        print(f"verispec: interrupted{hint}", file=sys.stderr)
+        return 130  # 128 + SIGINT
     except BrokenPipeError:  # `verispec report DIR | head`: the reader left; no error message, as `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE, the shell's status for a process killed by a broken pipe
