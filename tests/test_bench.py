@@ -150,13 +150,19 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
 def test_ctrl_c_stops_a_sweep_cleanly_and_resume_finishes_it(tmp_path):
     """Ctrl-C (SIGINT) on `bench`: exit 130 with one line naming --resume, no traceback, rows kept."""
     out = tmp_path / "run"
+    # the child gets SIGINT's default disposition: a shell starts background jobs (a CI script run with
+    # `&`, nohup) with SIGINT ignored, children inherit that, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen(bench_cmd(out, "--batch-size", "1", "--no-report"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 2 and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_rows(out / "results.jsonl")) < 2 and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # never leave a sweep running past the test
     assert proc.returncode == 130, err
     assert "verispec: interrupted" in err and "--resume" in err and "Traceback" not in err, err
     kept = read_rows(out / "results.jsonl")
