@@ -7,9 +7,12 @@
 - with --fence-stop (named Qwen targets): how many generated tokens come before the closing ``` of
   the first code block (re-tokenised with the target's tokenizer): what a stop string there saves;
 - with --rescore: every row's text scored again by its suite on this (quiet) machine, and the rows
-  whose score differs (e.g. a correct program that timed out while the sweep loaded the machine).
+  whose score differs (e.g. a correct program that timed out while the sweep loaded the machine);
+- with --pairs (0/1 scores): every pair of configurations on their shared units, not only each row
+  against its baseline as the report does: wins/losses, difference with Newcombe's interval, exact
+  McNemar p, the discordant fraction d and the difference McNemar resolves at 80% power, 2.8 sqrt(d/n).
 
-    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop --rescore
+    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop --rescore --pairs
 """
 
 from __future__ import annotations
@@ -89,12 +92,34 @@ def rescore(rows: list[dict]) -> None:
         print(line)
 
 
+def pairs(rows: list[dict]) -> None:
+    from verispec.evaluation.report import mcnemar_exact, newcombe_paired_interval
+
+    scores = defaultdict(dict)  # config -> (prompt, seed) -> score
+    for row in rows:
+        scores[row["config"]][(row["prompt_id"], row["seed"])] = row["score"]
+    print("\nevery pair of configurations on their shared units (0/1 scores):")
+    for a, b in itertools.combinations(scores, 2):
+        shared = scores[a].keys() & scores[b].keys()
+        both = sum(scores[a][u] == scores[b][u] == 1 for u in shared)
+        wins = sum(scores[a][u] > scores[b][u] for u in shared)
+        losses = sum(scores[a][u] < scores[b][u] for u in shared)
+        n = len(shared)
+        if not n:
+            continue
+        lo, hi = newcombe_paired_interval(both, wins, losses, n - both - wins - losses)
+        d = (wins + losses) / n
+        print(f"  {a} vs {b}: n={n} +{wins}/-{losses} diff={(wins - losses) / n:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+              f"McNemar p={mcnemar_exact(wins, losses):.3f} d={d:.2f} resolves {2.8 * (d / n) ** 0.5:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a sweep's --out directory")
     parser.add_argument("--fence-stop", action="store_true", help="also measure a closing-fence stop string")
     parser.add_argument("--rescore", action="store_true", help="score every row's text again")
+    parser.add_argument("--pairs", action="store_true", help="compare every pair of configurations")
     args = parser.parse_args()
     rows = read_rows(f"{args.sweep}/results.jsonl")
     timings(rows)
@@ -103,6 +128,8 @@ def main() -> None:
         fence_stop(rows, rows[0]["target"])
     if args.rescore:
         rescore(rows)
+    if args.pairs:
+        pairs(rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, stdev
 
-from verispec.evaluation.store import check_schema, scan_rows
+from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.tables import markdown_table, text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
@@ -155,11 +155,12 @@ def _batch_size(row: dict) -> int:
 
 
 def _is_score(x) -> bool:
+    """A finite number (None, NaN and inf are not)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _finite(xs) -> list[float]:
-    return [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return [x for x in xs if _is_score(x)]
 
 
 def _bins(values: list[float], edges: list[float]) -> list[int]:
@@ -528,9 +529,10 @@ NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls",
            "mean_tv")
 
 
-def _lines_text(numbers: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(n) for n in numbers[:most])
-    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
+def _lines_text(items: list, most: int = 8) -> str:
+    """The first `most` items (line numbers, row names), and how many more."""
+    shown = ", ".join(str(n) for n in items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[dict], list[str]]:
@@ -588,9 +590,8 @@ def timeout_notes(rows: list[dict]) -> list[str]:
     timed_out = [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
     if not timed_out:
         return []
-    named = ", ".join(f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out[:8])
-    more = f" and {len(timed_out) - 8} more" if len(timed_out) > 8 else ""
-    return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}{more}; a correct "
+    named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out])
+    return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}; a correct "
             "program can time out on a loaded machine, so check them before reading their scores"]
 
 
@@ -604,8 +605,7 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     import json
     import logging
 
-    results_dir = Path(results_dir)
-    path = results_dir / "results.jsonl" if results_dir.is_dir() else results_dir
+    path = results_file(results_dir)
     if not path.exists():
         raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
     scan = scan_rows(path)

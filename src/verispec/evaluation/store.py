@@ -77,6 +77,12 @@ def scan_rows(path: Path) -> ScanResult:
     return out
 
 
+def results_file(location: str | Path) -> Path:
+    """A sweep's results file, given its --out directory or the file itself."""
+    location = Path(location)
+    return location / "results.jsonl" if location.is_dir() else location
+
+
 def read_rows(path: Path) -> list[dict]:
     """Complete rows of a results file (a partial last line is ignored; bad lines are logged, skipped)."""
     return scan_rows(path).rows

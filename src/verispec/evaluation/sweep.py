@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from verispec.evaluation.store import SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, scan_rows
+from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
+                                      results_file, scan_rows)
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
 from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
                              speculative_decode, speculative_decode_batch)
@@ -266,13 +267,15 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     return results_path
 
 
-def read_reusable(sources, results_path: Path) -> list[tuple[str, list[dict]]]:
-    """(source, rows) of each sweep in `sources` (directories or results files) for `reuse_rows`, read
-    before anything is locked, loaded or written: a missing or unreadable source, this sweep's own
-    results file, or rows of another schema are refused (FileNotFoundError / ValueError naming it)."""
+def read_reusable(sources, results_path: Path) -> list[tuple[str, Path]]:
+    """(source, results file) of each sweep in `sources` (directories or results files) for
+    `reuse_rows`, checked before anything is locked, loaded or written: a missing or unreadable source,
+    this sweep's own results file, or rows of another schema are refused (FileNotFoundError /
+    ValueError naming it). The rows are not kept: `reuse_rows` reads them again, one source at a time,
+    so they are not held in memory beside the models for the whole sweep."""
     out = []
     for source in [sources] if isinstance(sources, (str, Path)) else list(sources):
-        path = Path(source) / "results.jsonl" if Path(source).is_dir() else Path(source)
+        path = results_file(source)
         if not path.is_file():
             raise FileNotFoundError(f"--reuse-from: no results file at {path} (give another sweep's --out "
                                     "directory)")
@@ -280,11 +283,11 @@ def read_reusable(sources, results_path: Path) -> list[tuple[str, list[dict]]]:
             raise ValueError(f"--reuse-from {source} is this sweep's own output; to continue it use --resume")
         scan = scan_rows(path)
         check_schema(path, scan.rows, scan.lines)
-        out.append((str(source), scan.rows))
+        out.append((str(source), path))
     return out
 
 
-def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, list[dict]]], results_path: Path,
+def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_path: Path,
                progress: bool = False) -> int:
     """Append the rows of other sweeps (`read_reusable`; the first source holding a unit wins) that are
     results of this sweep's units not yet done: same unit key, and the row's own prompt, seed and
@@ -296,9 +299,9 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, list[dict]]], re
               for _, item, seed, config in units if config.rule != PLAIN}
     total = 0
     with ResultsFile(results_path) as store:
-        for source, rows in sources:
+        for source, path in sources:
             copied = 0
-            for row in rows:
+            for row in read_rows(path):
                 unit = row.get("unit")
                 if unit not in wanted or unit in store.done:
                     continue
