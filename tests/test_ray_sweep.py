@@ -32,7 +32,7 @@ SPEC = SweepSpec(rules=RULES, limit=4, seeds=(0, 1), max_new_tokens=16)
 BATCH = 2  # rows per unit: 4 prompts x 2 seeds = 4 chunks, x 5 configs = 20 units of 2 rows
 TOTAL = 4 * 2 * 5  # plain, lossless, speccascade, honest:speccascade, lenience
 TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds",
-          "batch_size", "batch_seconds"}
+          "batch_size", "batch_seconds", "run"}  # "run": the id of the sweep process that decoded it
 
 
 def cli_args(out: Path, *extra: str) -> list[str]:

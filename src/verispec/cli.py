@@ -95,11 +95,12 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
               "budget:tv=0.05,ratio=2")
 
 
-def print_report(results: str, html: str | None = None, markdown: bool = False) -> int:
+def print_report(results: str, html: str | None = None, markdown: bool = False,
+                 columns: list[str] | None = None) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
     from verispec.evaluation.report import write_report
 
-    table, html_path = write_report(results, html, markdown)
+    table, html_path = write_report(results, html, markdown, columns)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -136,7 +137,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    return print_report(args.dir, args.html, args.markdown)
+    columns = None if args.columns is None else [c.strip() for c in args.columns.split(",")]
+    return print_report(args.dir, args.html, args.markdown, columns)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -264,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--html", default=None, help="where to write the HTML (default: DIR/report.html)")
     report.add_argument("--markdown", action="store_true",
                         help="print the table as GitHub markdown (for a README or a paper's notes)")
+    report.add_argument("--columns", default=None, metavar="NAMES",
+                        help="print only these columns, by header name, comma-separated "
+                             "(e.g. 'config,n,speedup,TV,score'); the HTML keeps every column")
     report.set_defaults(func=cmd_report)
 
     demo = sub.add_parser("demo",

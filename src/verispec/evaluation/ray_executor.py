@@ -282,8 +282,9 @@ class RayPool:
         return tuple(w.handle for w in self.workers if w.alive)
 
     def run_units(self, spec, suite, units, results_path, progress: bool, batch_size: int,
-                  on_row: Callable[[dict, tuple], None] | None = None) -> None:
-        """Hand the units not yet in the results file to the workers; append their rows as they land."""
+                  on_row: Callable[[dict, tuple], None] | None = None, run: str = "") -> None:
+        """Hand the units not yet in the results file to the workers; append their rows as they land,
+        each marked with this sweep run's id (`run`, as the local executor's rows)."""
         from verispec.evaluation.sweep import _progress, unit_key, work_units
 
         ray = self.ray
@@ -317,7 +318,7 @@ class RayPool:
                         raise RayExecutorError(f"Ray worker {worker.index} ({worker.where}) failed on "
                                                f"{unit.describe()}: {_reason(err)}") from None
                     for row in rows:
-                        store.append(row)
+                        store.append({**row, "run": run})
                         if bar is not None:
                             bar.update(1)
                         if on_row is not None:

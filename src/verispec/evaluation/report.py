@@ -26,6 +26,7 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, stdev
+from typing import Sequence
 
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.tables import markdown_table, text_table
@@ -198,9 +199,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
         # only pairs decoded at the same batch size: a sweep resumed with another --batch-size may hold
         # a row at one size and its plain row at another, and throughput grows with the batch; and only
-        # pairs timed in the same run: a row copied by --reuse-from was timed beside another run's plain
+        # pairs timed in the same run: a sweep resumed part-way through a chunk timed the chunk's other
+        # configurations in another process (rows record their `run`; rows written before they did
+        # pair as before), and a row copied by --reuse-from was timed beside another sweep's plain row
         pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
-                 and _batch_size(a) == _batch_size(b) and a.get("reused_from") == b.get("reused_from")]
+                 and _batch_size(a) == _batch_size(b) and a.get("run") == b.get("run")
+                 and a.get("reused_from") == b.get("reused_from")]
+        s["unpaired"] = (0 if plain_id is None or r0["rule"] == "plain" else
+                         sum(1 for r in group if "reused_from" not in r) - len(pairs))
         if pairs:
             mine = sum(a["tokens"] for a, _ in pairs) / sum(_row_seconds(a) for a, _ in pairs)
             plain = sum(b["tokens"] for _, b in pairs) / sum(_row_seconds(b) for _, b in pairs)
@@ -210,6 +216,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["tokens_per_second"] = (sum(r["tokens"] for r in group)
                                   / max(1e-9, sum(_row_seconds(r) for r in group)))
         s["batch_sizes"] = sorted({_batch_size(r) for r in group})
+        s["reused"] = sum(1 for r in group if "reused_from" in r)
         steps = defaultdict(list)
         for r in group:
             for key, values in r.get("steps", {}).items():
@@ -357,9 +364,23 @@ def table_rows(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def terminal_table(summary: list[dict], markdown: bool = False) -> str:
-    """The report table as aligned text, or (`markdown`) a GitHub markdown table, with its legend."""
-    head, body = table_rows(summary)
+def select_columns(head: list[str], body: list[list[str]],
+                   columns: Sequence[str] | None) -> tuple[list[str], list[list[str]]]:
+    """The table's `columns` (header names, in the order given; None: all of them)."""
+    if columns is None:
+        return head, body
+    unknown = [c for c in columns if c not in head]
+    if unknown or not columns:
+        raise ValueError(f"unknown report column(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                         f"the columns are: {', '.join(head)}")
+    idx = [head.index(c) for c in columns]
+    return [head[i] for i in idx], [[row[i] for i in idx] for row in body]
+
+
+def terminal_table(summary: list[dict], markdown: bool = False, columns: Sequence[str] | None = None) -> str:
+    """The report table as aligned text, or (`markdown`) a GitHub markdown table, with its legend;
+    `columns`: only these (header names, e.g. a README's narrower table)."""
+    head, body = select_columns(*table_rows(summary), columns)
     score_name = summary[0]["score_name"] if summary else "score"
     legend = (f"(n = units (prompt x seed); score = {score_name} with its 95% CI (Wilson for 0/1 scores); "
               "Δscore is paired against each row's baseline on the units both have (95% interval: "
@@ -584,6 +605,20 @@ def unit_set_notes(rows: list[dict]) -> list[str]:
             "McNemar), or finish the sweep (--resume)"]
 
 
+def speedup_notes(summary: list[dict]) -> list[str]:
+    """Configurations whose speedup leaves out rows decoded in this sweep (copied rows have their own
+    note): rows with no plain row timed in the same run at the same batch size."""
+    notes = []
+    for s in summary:
+        if s.get("unpaired"):
+            paired = s["units"] - s["unpaired"] - s["reused"]
+            over = f"its speedup is over the other {paired}" if paired else "it has no speedup"
+            notes.append(f"{s['config']}: {s['unpaired']} row(s) have no plain row timed in the same run "
+                         "at the same batch size (a sweep resumed part-way through a chunk, or with "
+                         f"another --batch-size), so {over}")
+    return notes
+
+
 def timeout_notes(rows: list[dict]) -> list[str]:
     """A note naming the rows an execution-scored suite failed by timeout: on a loaded machine a correct
     program can time out, so such a failure may be the machine's, not the rule's."""
@@ -596,9 +631,10 @@ def timeout_notes(rows: list[dict]) -> list[str]:
 
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
-                 markdown: bool = False) -> tuple[str, Path]:
+                 markdown: bool = False, columns: Sequence[str] | None = None) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
-    table, e.g. for a README) and the path of the HTML report.
+    table, e.g. for a README; `columns`: only these, by header name) and the path of the HTML report
+    (every column).
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
@@ -617,13 +653,13 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                         f"line(s) {_lines_text(scan.skipped_lines)}")
     for note in notes:
         logging.getLogger(__name__).warning(note)
-    notes += unit_set_notes(rows) + timeout_notes(rows)
+    summary = summarize(rows) if rows else []
+    notes += unit_set_notes(rows) + timeout_notes(rows) + speedup_notes(summary)
     for source, count in Counter(r["reused_from"] for r in rows if "reused_from" in r).items():
         notes.append(f"{count} row(s) copied from {source} (--reuse-from): decoded and timed there, so "
                      "their speedup is that sweep's report's, not this one's")
     if not rows:
         raise ValueError(f"no usable results in {path}" + (": " + "; ".join(notes) if notes else ""))
-    summary = summarize(rows)
     spec_file = path.parent / "sweep.json"
     try:
         meta = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
@@ -637,5 +673,5 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
     html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
-    table = terminal_table(summary, markdown)
+    table = terminal_table(summary, markdown, columns)
     return table + "".join(f"\nnote: {n}" for n in notes), html_path

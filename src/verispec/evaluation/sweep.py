@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -120,6 +121,14 @@ class SweepSpec:
 MAX_SWEEP_SEED = 2**40  # a unit's generator is seeded with seed * 1_000_003 + prompt index (< 2**64)
 
 
+def new_run_id() -> str:
+    """The id every row decoded by one `run_sweep` call records as `run` (UTC start time and 6 random
+    hex digits): the report pairs a row with a plain row for its speedup only within one run, since
+    rows timed in another process (a sweep resumed part-way through a chunk) or another sweep
+    (`--reuse-from`) were timed under other conditions."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
 def unit_key(spec: SweepSpec, item: Item, seed: int, config: RunConfig) -> str:
     """The identity of a unit: every setting that changes its result (models, dtypes, device, backend)."""
     raw = json.dumps([SCHEMA_VERSION, spec.suite, spec.target, spec.draft, item.id, seed, config.id,
@@ -215,6 +224,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         check_ray_spec(spec)
         import_ray()  # Ray missing: say which extra to install before anything is locked or written
     out_dir = Path(out_dir)
+    run = new_run_id()
     sources = [] if reuse_from is None else read_reusable(reuse_from, out_dir / "results.jsonl")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +260,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                     _check_resumable(spec_path, spec)
                 spec_path.write_text(_settings_json(spec), encoding="utf-8")
                 reuse_rows(spec, units, sources, results_path, progress)
-                pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row)
+                pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run)
             return results_path
 
         target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
@@ -263,7 +273,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         spec_path.write_text(_settings_json(spec), encoding="utf-8")
         reuse_rows(spec, units, sources, results_path, progress)
         _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size,
-                   on_row)
+                   on_row, run)
     return results_path
 
 
@@ -392,7 +402,7 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
 
 
 def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress,
-               batch_size: int = 1, on_row=None) -> None:
+               batch_size: int = 1, on_row=None, run: str = "") -> None:
     """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
 
     Rows of one configuration are decoded together (`speculative_decode_batch`), and every
@@ -408,7 +418,7 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
             warm_up(target, drafter, prompts[0])
         for config, members in work:
             for row in decode_rows(spec, suite, target, drafter, prompts, members, config, max_new):
-                store.append(row)
+                store.append({**row, "run": run})
                 if bar is not None:
                     bar.update(1)
                 if on_row is not None:

@@ -1,0 +1,237 @@
+"""The report's statistics and summary: baselines and flags, Wilson / Newcombe intervals, McNemar's
+exact test, t quantiles, percentiles, sequence KL, unit-set and timeout notes, speedup pairing
+(docs/design.md, 'Words'). Pure functions on hand-made rows: no model is loaded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from verispec.evaluation.report import summarize
+from verispec.rules import parse
+
+
+def test_report_flags_and_baselines():
+    rows = []
+    for prompt in range(6):
+        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0),
+                                    ("cos:w=0.9 k=4 T=1", "cos:w=0.9", 0.0),
+                                    ("topk:k=2,resample=target k=4 T=1", "topk:k=2", 0.9),
+                                    ("honest:topk:k=2,resample=target k=4 T=1", "honest:topk:k=2",
+                                     0.9 + 0.01 * prompt)):
+            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec,
+                         "family": "x", "k": 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                         "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                         "log_ratio": 0.1 * prompt, "mean_tv": 0.1, "target_nll": 2.0,
+                         "score": score + (0.001 * prompt if rule == "cos:w=0.9" else 0),
+                         "score_name": "exact_match", "steps": {}})
+    summary = {s["config"]: s for s in summarize(rows)}
+    assert summary["cos:w=0.9 k=4 T=1"]["baseline"] == "lossless k=4 T=1"
+    assert summary["cos:w=0.9 k=4 T=1"]["flag"] == "WORSE"
+    assert (summary["topk:k=2,resample=target k=4 T=1"]["baseline"]
+            == "honest:topk:k=2,resample=target k=4 T=1")
+    assert summary["topk:k=2,resample=target k=4 T=1"]["score_diff"] < 0
+    assert summary["lossless k=4 T=1"]["flag"] == ""
+    assert summary["honest:topk:k=2,resample=target k=4 T=1"]["baseline"] is None  # a baseline itself
+    assert summary["lossless k=4 T=1"]["acceptance_rate"] == pytest.approx(0.75)
+    assert summary["lossless k=4 T=1"]["block_efficiency"] == pytest.approx(2.5)
+    assert summary["cos:w=0.9 k=4 T=1"]["seq_kl"] == pytest.approx(0.25)
+    assert math.isfinite(summary["cos:w=0.9 k=4 T=1"]["seq_kl_ci"])
+
+
+def test_binary_score_intervals_and_mcnemar():
+    """Wilson's interval and McNemar's exact test against scipy, and their use in the summary."""
+    from scipy.stats import binomtest
+
+    from verispec.evaluation.report import mcnemar_exact, wilson_interval
+
+    for k, n in ((0, 10), (45, 100), (164, 164), (7, 20)):
+        want = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson_interval(k, n) == pytest.approx((want.low, want.high), abs=1e-6)
+    for better, worse in ((0, 6), (1, 9), (5, 5), (3, 12), (0, 0)):
+        want = binomtest(better, better + worse, 0.5).pvalue if better + worse else 1.0
+        assert mcnemar_exact(better, worse) == pytest.approx(want, rel=1e-9)
+    # 12 prompts: the rule fails where its baseline passes on 8, wins on none -> WORSE (p = 2/256)
+    rows = []
+    for prompt in range(12):
+        for config, rule, score in (("lossless k=4 T=1", "lossless", 1.0),
+                                    ("cos:w=0.9 k=4 T=1", "cos:w=0.9", float(prompt >= 8))):
+            rows.append({"unit": f"{config}{prompt}", "config": config, "rule": parse(rule).spec,
+                         "family": "x", "k": 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                         "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                         "log_ratio": 0.1, "mean_tv": 0.1, "target_nll": 2.0, "score": score,
+                         "score_name": "pass_at_1", "steps": {}})
+    summary = {s["config"]: s for s in summarize(rows)}
+    cos = summary["cos:w=0.9 k=4 T=1"]
+    assert cos["binary_score"] and cos["discordant"] == (0, 8)
+    assert cos["p_value"] == pytest.approx(2 / 256) and cos["flag"] == "WORSE"
+    assert cos["score_interval"] == pytest.approx(wilson_interval(4, 12))
+    from verispec.evaluation.report import terminal_table
+
+    text = terminal_table(list(summary.values()))
+    assert "0.333 [0.14, 0.61]" in text and "0.00781 (+0/-8)" in text
+    markdown = terminal_table(list(summary.values()), markdown=True).splitlines()  # `report --markdown`
+    assert markdown[0].startswith("| config | n | accept |") and markdown[1].startswith("|---|")
+    assert markdown[3].startswith("| cos:w=0.9 k=4 T=1 |") and "| 0.333 [0.14, 0.61] |" in markdown[3]
+    assert len(markdown) == 2 + 2 + 2  # header, rule, 2 rows, blank line, legend
+    # `report --columns`: the named columns in the given order, the same cells
+    narrow = terminal_table(list(summary.values()), markdown=True, columns=["config", "score", "McNemar p"])
+    assert narrow.splitlines()[0] == "| config | score | McNemar p |"
+    assert narrow.splitlines()[3] == "| cos:w=0.9 k=4 T=1 | 0.333 [0.14, 0.61] | 0.00781 (+0/-8) |"
+    with pytest.raises(ValueError, match=r"unknown report column\(s\) 'pass@1'; the columns are: config, n,"):
+        terminal_table(list(summary.values()), columns=["config", "pass@1"])
+    # 3 of 12 discordant: a negative difference that is not significant is not flagged
+    for row in rows:
+        if row["config"].startswith("cos") and int(row["prompt_id"]) >= 3:
+            row["score"] = 1.0
+    cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
+    assert cos["discordant"] == (0, 3) and cos["p_value"] == pytest.approx(0.25) and cos["flag"] == ""
+    assert cos["score_diff_interval"][0] < -0.25 < cos["score_diff_interval"][1] < 0.1  # Newcombe's
+    # a NaN score (a scorer that could not run) leaves its pair out instead of switching McNemar off
+    rows[-1]["score"] = math.nan
+    cos = {s["config"]: s for s in summarize(rows)}["cos:w=0.9 k=4 T=1"]
+    assert cos["paired_units"] == 11 and cos["discordant"] == (0, 3) and cos["units"] == 12
+
+
+def test_t_quantiles_percentiles_and_large_mcnemar():
+    """Student-t quantiles beyond the table (df > 30), the overshoot percentile and McNemar with
+    thousands of discordant pairs, against scipy / numpy."""
+    import numpy as np
+    from scipy.stats import binomtest
+    from scipy.stats import t as student_t
+
+    from verispec.evaluation.report import mcnemar_exact, percentile, t_interval, t_quantile_975
+
+    for df in range(1, 400):
+        assert t_quantile_975(df) == pytest.approx(student_t.ppf(0.975, df), rel=4e-4 if df <= 30 else 1e-6)
+    values = [0.3 * i % 1.7 for i in range(44)]  # n = 44: t(43) = 2.017, not 1.96
+    half = student_t.ppf(0.975, 43) * np.std(values, ddof=1) / math.sqrt(44)
+    assert t_interval(values)[1] == pytest.approx(half, rel=1e-6)
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 10, 101):
+        xs = sorted(rng.exponential(size=n).tolist())
+        assert percentile(xs, 0.95) == pytest.approx(float(np.percentile(xs, 95)), rel=1e-12)
+    assert percentile([1.0, 2.0, math.inf], 0.95) == math.inf and math.isnan(percentile([], 0.95))
+    for better, worse in ((480, 560), (600, 600), (3000, 3100)):
+        want = binomtest(better, better + worse).pvalue
+        assert mcnemar_exact(better, worse) == pytest.approx(want, rel=1e-9)
+
+
+def test_newcombe_paired_interval():
+    """Newcombe's square-and-add interval for a paired difference (method 10): the published example,
+    the edge cases a t-interval gets wrong, and its coverage by simulation."""
+    import numpy as np
+
+    from verispec.evaluation.report import newcombe_paired_interval
+
+    # Cavo et al. 2012 in Fagerland, Lydersen & Laake (2017), ch. 8: -0.0621 (-0.1186 to -0.0046)
+    lo, hi = newcombe_paired_interval(59, 6, 16, 80)
+    assert (round(lo, 4), round(hi, 4)) == (-0.1186, -0.0046)
+    # swapping the roles mirrors the interval
+    assert newcombe_paired_interval(59, 16, 6, 80) == pytest.approx((-hi, -lo))
+    # no discordant pair: the difference is 0 but not known exactly (a t-interval says 0 +- 0)
+    lo, hi = newcombe_paired_interval(8, 0, 0, 4)
+    assert lo < 0 < hi and hi - lo > 0.2
+    assert all(math.isnan(x) for x in newcombe_paired_interval(0, 0, 0, 0))  # no pairs
+    assert newcombe_paired_interval(0, 12, 0, 0)[1] == 1.0  # clipped to [-1, 1]
+    # coverage at n = 44 with few discordant pairs (the sweeps' regime): near 95%
+    rng = np.random.default_rng(1)
+    probs = np.array([0.55, 0.06, 0.10, 0.29])  # both, only row, only baseline, neither
+    truth = probs[1] - probs[2]
+    draws = rng.multinomial(44, probs, size=4000)
+    intervals = [newcombe_paired_interval(*map(int, d)) for d in draws]
+    covered = np.mean([lo <= truth <= hi for lo, hi in intervals])
+    assert 0.93 <= covered <= 0.975, covered
+
+
+def test_report_seq_kl_and_unit_sets():
+    """An infinite log-ratio (a token the target gives probability 0) makes the sequence KL infinite,
+    never a smaller finite mean; configurations over different units get a note."""
+    from verispec.evaluation.report import timeout_notes, unit_set_notes
+
+    def row(config, rule, prompt, log_ratio=0.5):
+        return {"unit": f"{config}{prompt}", "config": config, "rule": rule, "family": "x",
+                "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                "tokens": 10, "seconds": 1.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                "log_ratio": log_ratio, "mean_tv": 0.1, "target_nll": 2.0, "score": 1.0,
+                "score_name": "pass_at_1", "steps": {}}
+
+    rows = [row("cos:w=0.9 k=4 T=0", "cos:w=0.9", p, math.inf if p == 2 else 0.5) for p in range(4)]
+    rows += [row("lossless k=4 T=0", "lossless", p, 0.0) for p in range(3)]
+    summary = {s["config"]: s for s in summarize(rows)}
+    assert summary["cos:w=0.9 k=4 T=0"]["seq_kl"] == math.inf
+    assert summary["lossless k=4 T=0"]["seq_kl"] == 0.0
+    (note,) = unit_set_notes(rows)
+    assert "cos:w=0.9 k=4 T=0: 4, lossless k=4 T=0: 3; 3 in all of them" in note
+    assert unit_set_notes(rows[:3] + rows[4:]) == []
+    # execution-scored rows that failed by timeout are named (the machine's failure, maybe not the rule's)
+    rows[1]["metrics"] = {"pass_at_1": 0.0, "timed_out": 1.0}
+    rows[4]["metrics"] = {"pass_at_1": 0.0, "timed_out": 0.0}
+    (note,) = timeout_notes(rows)
+    assert note.startswith("1 row(s) failed by timeout") and "cos:w=0.9 k=4 T=0 / 1 (seed 0)" in note
+    assert timeout_notes(rows[2:]) == []
+    from verispec.evaluation.report import _fmt
+
+    formatted = (_fmt(7765444.0), _fmt(1.25), _fmt(math.inf), _fmt(math.nan))
+    assert formatted == ("7.77e+06", "1.250", "inf", "-")  # overshoot in the millions stays readable
+
+
+def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
+    """A sweep resumed with another --batch-size holds rows of one config at two sizes: the speedup
+    compares each row with its plain row only where both ran at the same size (throughput grows with
+    the batch, so a batch-12 row against a batch-4 plain row would inflate it)."""
+    def row(config: str, rule: str, prompt: int, batch_size: int, batch_seconds: float) -> dict:
+        return {"unit": f"{config}{prompt}", "config": config, "rule": rule, "family": "x",
+                "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                "tokens": 10, "seconds": 99.0,
+                "target_calls": 4, "proposed": 8, "accepted": 6, "log_ratio": 0.0, "mean_tv": 0.0,
+                "target_nll": 2.0, "score": 1.0, "score_name": "pass_at_1", "steps": {},
+                "batch_size": batch_size, "batch_seconds": batch_seconds}
+
+    plain = [row("plain T=1", "plain", p, 4, 4.0) for p in range(4)]  # 10 tokens/s per row
+    fast = [row("lossless k=4 T=1", "lossless", p, 4, 2.0) for p in range(2)]  # 20 tokens/s at batch 4
+    big = [row("lossless k=4 T=1", "lossless", p, 12, 1.2) for p in range(2, 4)]  # 100 tokens/s at 12
+    summary = {s["config"]: s for s in summarize(plain + fast + big)}
+    assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(2.0)  # batch-4 pairs only
+    assert summary["lossless k=4 T=1"]["batch_sizes"] == [4, 12]
+    alone = {s["config"]: s for s in summarize(plain + big)}
+    assert math.isnan(alone["lossless k=4 T=1"]["speedup"])  # no pair at the same size: no figure
+    # a row copied from another sweep (--reuse-from) was timed beside that sweep's plain rows, not these
+    copied = [{**r, "reused_from": "elsewhere"} for r in fast]
+    mixed = {s["config"]: s for s in summarize(plain + copied)}
+    assert math.isnan(mixed["lossless k=4 T=1"]["speedup"]) and mixed["lossless k=4 T=1"]["units"] == 2
+    assert mixed["lossless k=4 T=1"]["unpaired"] == 0 and mixed["lossless k=4 T=1"]["reused"] == 2
+
+
+def test_speedup_pairs_rows_timed_in_the_same_run():
+    """A sweep killed part-way through a chunk and resumed decodes the chunk's remaining configurations
+    in a new process: those rows are not timed against the first process's plain rows, and a note says
+    how many rows each speedup leaves out."""
+    from verispec.evaluation.report import speedup_notes
+
+    def row(config: str, rule: str, prompt: int, batch_seconds: float, run: str) -> dict:
+        return {"unit": f"{config}{prompt}", "config": config, "rule": rule, "family": "x",
+                "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": str(prompt), "seed": 0,
+                "tokens": 10, "seconds": 99.0, "target_calls": 4, "proposed": 8, "accepted": 6,
+                "log_ratio": 0.0, "mean_tv": 0.0, "target_nll": 2.0, "score": 1.0, "score_name": "pass_at_1",
+                "steps": {}, "batch_size": 2, "batch_seconds": batch_seconds, "run": run}
+
+    plain = [row("plain T=1", "plain", p, 4.0, "first" if p < 2 else "second") for p in range(4)]
+    lossless = [row("lossless k=4 T=1", "lossless", p, 2.0, "first") for p in range(2)]  # 2x, same run
+    lossless += [row("lossless k=4 T=1", "lossless", p, 1.0, "second") for p in range(2, 4)]  # 4x
+    resumed = [row("cos:w=0.5 k=4 T=1", "cos:w=0.5", p, 2.0, "second") for p in range(2)]  # other run
+    resumed += [row("cos:w=0.5 k=4 T=1", "cos:w=0.5", p, 1.0, "second") for p in range(2, 4)]
+    summary = {s["config"]: s for s in summarize(plain + lossless + resumed)}
+    assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(40 / 6 / (40 / 16))  # all four pairs
+    assert summary["lossless k=4 T=1"]["unpaired"] == 0
+    cos = summary["cos:w=0.5 k=4 T=1"]
+    assert cos["speedup"] == pytest.approx(4.0) and cos["unpaired"] == 2  # prompts 2, 3 only
+    (note,) = speedup_notes(list(summary.values()))
+    assert note.startswith("cos:w=0.5 k=4 T=1: 2 row(s) have no plain row timed in the same run")
+    assert note.endswith("its speedup is over the other 2")
+    alone = summarize(plain[:2] + resumed[:2])
+    assert math.isnan(alone[1]["speedup"]) and speedup_notes(alone)[0].endswith("it has no speedup")
+    # rows written before rows recorded their run (no "run" field) pair as they always did
+    legacy = [{k: v for k, v in r.items() if k != "run"} for r in plain + resumed]
+    assert {s["config"]: s for s in summarize(legacy)}["cos:w=0.5 k=4 T=1"]["unpaired"] == 0
