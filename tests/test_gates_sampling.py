@@ -65,6 +65,31 @@ def test_gates_match_brute_force(kind, args):
         assert mask[i][p.argmax()]  # argmax always kept
 
 
+def test_top_p_on_a_real_vocabulary_in_float32():
+    """top_p = 1 keeps every token of positive probability (a float32 cumulative sum over 151,936
+    tokens reaches 1.0 early, and `< 1.0` once cut ~40k tail tokens); below 1 the mask equals a float64
+    reference on the same float32 probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 151_936, generator=gen) * 6, -1)  # float32, like a model's
+    assert (probs > 0).sum() > 250_000
+    assert torch.equal(gates.top_p_mask(probs, 1.0), probs > 0)
+    for top_p in (0.9, 0.999, 0.99999):
+        mask = gates.top_p_mask(probs, top_p)
+        for row, row_mask in zip(probs.double(), mask):
+            desc = row.sort(descending=True).values
+            before = desc.cumsum(0) - desc  # float64 exclusive mass, ties aside (none at this scale)
+            keep = int((before < top_p).sum())
+            assert int(row_mask.sum()) == keep and bool(row_mask[row.argsort(descending=True)[:keep]].all())
+    # the diagnostics stay finite: a draft from the same logits, top_p = 1 sampling, a mixture rule
+    from verispec.rules import parse
+
+    target = process(probs.log(), SamplingConfig(top_p=1.0))[:1]
+    noisy = probs + 1e-6 * torch.rand(probs.shape, generator=gen)
+    draft = process(noisy.log(), SamplingConfig(top_p=1.0))[:1]
+    law = parse("cos:w=0.5").emitted(target[0].double(), draft[0].double())
+    assert math.isfinite(kl(law, target[0].double()).item())
+
+
 def test_processors_match_transformers_warpers():
     transformers = pytest.importorskip("transformers")
     g = transformers.generation.logits_process

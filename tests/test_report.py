@@ -230,6 +230,9 @@ def test_speedup_pairs_rows_timed_in_the_same_run():
     (note,) = speedup_notes(list(summary.values()))
     assert note.startswith("cos:w=0.5 k=4 T=1: 2 row(s) have no plain row timed in the same run")
     assert note.endswith("its speedup is over the other 2")
+    # plain decoding leads the table wherever its rows are in the file; the rest keep first-seen order
+    order = [s["config"] for s in summarize(resumed + lossless + plain)]
+    assert order == ["plain T=1", "cos:w=0.5 k=4 T=1", "lossless k=4 T=1"]
     alone = summarize(plain[:2] + resumed[:2])
     assert math.isnan(alone[1]["speedup"]) and speedup_notes(alone)[0].endswith("it has no speedup")
     # rows written before rows recorded their run (no "run" field) pair as they always did

@@ -186,6 +186,14 @@ def test_chat_completion_and_streaming(srv):
     cut = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3, stop=[stop])
     assert cut.choices[0].text == plain.choices[0].text[: plain.choices[0].text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # usage and token_ids end at the token that completes the stop string (a block may have decoded
+    # up to k tokens past it); the verification report covers every decoded token and says "stop"
+    decode = srv.app.state.server.target.decode
+    ids = plain.model_extra["token_ids"]
+    through = min(n for n in range(1, len(ids) + 1) if stop in decode(ids[:n]))
+    assert cut.usage.completion_tokens == through and cut.model_extra["token_ids"] == ids[:through]
+    assert cut.model_extra["verification"]["finish"] == "stop"
+    assert cut.model_extra["verification"]["tokens"] >= through
 
 
 @pytest.mark.slow
@@ -311,6 +319,14 @@ BAD = [
     ("completions", {"prompt": PROMPT, "verification": {"k": 0}}, 400, "k"),
     ("completions", {"prompt": PROMPT, "verification": {"rulez": "lossless"}}, 400, "verification"),
     ("completions", {"prompt": PROMPT, "verification": "lossless"}, 400, "verification"),
+    # fields the server does not honour are refused, never ignored (a misplaced rule, vLLM extras)
+    ("completions", {"prompt": PROMPT, "rule": "budget:tv=0.01"}, 400, "rule"),
+    ("completions", {"prompt": PROMPT, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("completions", {"prompt": PROMPT, "logprobs": 0}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "best_of": True}, 400, "best_of"),
+    ("completions", {"prompt": PROMPT, "stream_options": {"x": 1}}, 400, "stream_options"),
+    ("completions", {"prompt": PROMPT, "user": 5}, 400, "user"),
 ]
 
 
@@ -332,6 +348,28 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
         srv.client.completions.create(model="default", prompt=PROMPT, n=2)
     r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1)
     assert r.usage.completion_tokens == 5 and srv.health()["status"] == "ok"
+    # fields that change no output are accepted
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1, user="me",
+                                      logprobs=None, presence_penalty=0.0)
+    assert r.usage.completion_tokens == 5
+
+
+def test_response_text_leaves_out_the_end_of_sequence_token():
+    """The text of a response that stopped at end-of-sequence does not end in the control token (the
+    default tokenizer decodes it as '<|endoftext|>', Qwen's as '<|im_end|>'); token_ids keep it."""
+    from verispec.api import response_text
+    from verispec.decode import Generation
+    from verispec.models import load_model
+
+    model = load_model("default")
+    ids = tuple(model.encode("KING.\nGood")) + (model.eos_token_id,)
+    assert model.decode(list(ids)).endswith("<|endoftext|>")
+    gen = Generation(prompt_ids=(1,), token_ids=ids, blocks=(), steps=None, target_calls=1, draft_calls=0,
+                     seconds=0.0, finish="eos", rule="lossless")
+    assert response_text(model, gen) == "KING.\nGood"
+    from dataclasses import replace
+
+    assert response_text(model, replace(gen, finish="length")) == model.decode(list(ids))  # no EOS end
 
 
 @pytest.mark.slow

@@ -230,6 +230,13 @@ def encode_messages(model, messages: list[dict]) -> list[int]:
     return encode_prompt(model, "".join(m["content"] + "\n" for m in messages), chat=False)
 
 
+def response_text(model, gen: Generation) -> str:
+    """The text of a generation: its tokens decoded, less the end-of-sequence token it stopped at
+    (a control token, e.g. `<|im_end|>`, not text: OpenAI and vLLM leave it out; `token_ids` keep it)."""
+    ids = list(gen.token_ids)
+    return model.decode(ids[:-1] if gen.finish == "eos" else ids)
+
+
 def _several_prompts(prompt) -> bool:
     """A list/tuple of prompts (each a str or a sequence of ids), as opposed to one prompt of ids."""
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
@@ -316,7 +323,7 @@ def generate(
         gens = speculative_decode_batch(target_model, drafter, prompt_ids, rule, config, generators,
                                         batch_size=batch_size)
     results = [
-        GenerateResult(text=target_model.decode(list(gen.token_ids)), token_ids=list(gen.token_ids),
+        GenerateResult(text=response_text(target_model, gen), token_ids=list(gen.token_ids),
                        prompt_ids=ids, stats=gen.stats(max_new_tokens=max_new_tokens,
                                                        k=None if drafter is None else k), generation=gen)
         for ids, gen in zip(prompt_ids, gens)

@@ -43,9 +43,16 @@ def top_k_mask(probs: Tensor, k: int, values: Tensor | None = None) -> Tensor:
 
 def top_p_mask(probs: Tensor, top_p: float) -> Tensor:
     """Top-p / nucleus (Holtzman et al. 2020): keep x when the mass strictly more probable than x
-    is below top_p — the smallest high-probability set reaching mass top_p, ties kept together."""
+    is below top_p — the smallest high-probability set reaching mass top_p, ties kept together.
+
+    top_p >= 1 keeps every token of positive probability. The cumulative mass is summed in float64: a
+    float32 sum over a 150k vocabulary reaches 1.0 before its tail, and `< 1.0` then cut tens of
+    thousands of tail tokens (the law then put mass where the processed target has none: infinite KL)."""
+    if top_p >= 1:
+        return probs > 0
     desc = probs.sort(-1, descending=True).values  # [..., V]
-    mass_before = desc.cumsum(-1) - desc  # exclusive cumulative mass in sorted order
+    wide = desc.double()
+    mass_before = wide.cumsum(-1) - wide  # exclusive cumulative mass in sorted order, float64
     # number of tokens strictly more probable than each token: searchsorted on the ascending -desc
     n_above = torch.searchsorted((-desc).contiguous(), (-probs).contiguous(), side="left")  # [..., V], <= V-1
     return (mass_before.gather(-1, n_above) < top_p) & (probs > 0)

@@ -227,10 +227,17 @@ class Server:
             raise APIError(400, f"n={n!r} is not supported: verispec serve returns one choice per request "
                                 "(send n requests, each with its own seed)", "n", "unsupported")
         for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
+                         ("top_logprobs", (None, 0)), ("suffix", (None, "")),
                          ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
                          ("logit_bias", (None, {}))):
-            if body.get(key) not in off:
+            if not _is_off(body.get(key), off):
                 raise APIError(400, f"'{key}' is not supported by verispec serve", key, "unsupported")
+        if not isinstance(body.get("user", ""), str):
+            raise APIError(400, "'user' must be a string", "user")
+        options = body.get("stream_options")
+        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+            raise APIError(400, "'stream_options' may only hold 'include_usage' (the last chunk always "
+                                "carries the usage)", "stream_options")
         # the prompt
         try:
             if chat:
@@ -254,6 +261,12 @@ class Server:
             raise APIError(400, str(err), "messages" if chat else "prompt") from None
         if not prompt_ids:
             raise APIError(400, "empty prompt", "messages" if chat else "prompt")
+        # after the prompt: a chat request with a 'prompt' is told 'messages' is missing
+        unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+        if unknown:  # never silently ignored: a misplaced "rule" would decode with the default rule
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}: verispec serve "
+                                "refuses fields it does not honour (the verification rule goes in "
+                                "'verification': {\"rule\": ..., \"k\": ...})", unknown[0], "unsupported")
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -301,6 +314,23 @@ class Server:
         rule, k = self.parse_rule(body)
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
                       seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos)
+
+
+# Request fields the server honours or checks (OpenAI's, plus vLLM's top_k / min_p / ignore_eos and
+# verispec's verification); any other field is refused, never ignored. `user` and `stream_options`
+# change no output; the rest must be off (best_of 1, echo false, no logprobs, penalties 0, ...).
+COMMON_FIELDS = frozenset({
+    "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+    "stream_options", "ignore_eos", "verification", "user", "best_of", "echo", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+
+
+def _is_off(value, off: tuple) -> bool:
+    """`value` is one of the `off` values, a bool only equal to a bool (0 is not False, True is not 1)."""
+    return any(value is None if o is None else
+               (isinstance(value, bool) == isinstance(o, bool) and value == o) for o in off)
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -497,27 +527,44 @@ class Engine:
 
     def _end(self, key: tuple, row: int, gen: Generation, how: str) -> None:
         """A row left its decoder: deliver its response (or drop it if the client left)."""
+        from verispec.api import response_text
+
         job = self._jobs.pop((key, row))
         self.running -= 1
         if job.first_token is None and gen.token_ids:
             job.first_token = time.perf_counter()
             self.server.metrics.ttft.observe(job.first_token - job.created)
-        text = self.server.target.decode(list(gen.token_ids))
+        decode = self.server.target.decode
+        ids = list(gen.token_ids)
+        returned = len(ids)  # the tokens of the response (usage, token_ids): all, or up to a stop string
+        text = response_text(self.server.target, gen)  # the end-of-sequence token is no text
         stop_at = _find_stop(text, job.params.stop)
         if stop_at is not None:
             text, how = text[:stop_at], "stop"
+            returned = _tokens_through_stop(decode, ids, job.params.stop)
         finish = {"eos": "stop", "stop": "stop", "length": "length"}.get(how, how)
         stats = gen.stats(max_new_tokens=job.params.max_tokens, k=None if self.server.plain else job.params.k)
-        report = stats["verification"]
-        self.server.metrics.record(job, gen, report, finish)
+        report = stats["verification"]  # every token decoded, those past a stop string included
+        if how == "stop":
+            report["finish"] = "stop"  # not "cancelled": the decoder's row was ended by the stop string
+        self.server.metrics.record(job, gen, report, finish, returned)
         if job.params.stream and how != "cancelled":
             self._stream(job, text, final=True)
-        self._emit(job, ("done", gen, text, finish, report))
+        self._emit(job, ("done", gen, text, finish, report, returned))
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def _tokens_through_stop(decode, ids: list[int], stops: list[str]) -> int:
+    """The fewest leading tokens of `ids` whose text holds a stop string (OpenAI and vLLM return the
+    tokens up to the one that completes it); a block may have decoded up to k tokens past it."""
+    n = len(ids)
+    while n > 1 and _find_stop(decode(ids[: n - 1]), stops) is not None:
+        n -= 1
+    return n
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -563,13 +610,15 @@ class Metrics:
                                    "per token",
                                    ["rule"], buckets=(-1, -0.1, -0.01, 0.0, 0.01, 0.1, 1, 10), registry=r)
 
-    def record(self, job: Job, gen: Generation, report: dict, finish: str) -> None:
+    def record(self, job: Job, gen: Generation, report: dict, finish: str, returned: int) -> None:
+        """One finished request; `returned`: its response's tokens (fewer than decoded after a stop
+        string; the speculative counters count every decoded one)."""
         self.num_drafts.inc(sum(1 for b in gen.blocks if b.proposed > 0))
         self.num_draft_tokens.inc(report["drafted_tokens"])
         self.num_accepted.inc(report["accepted_tokens"])
         for pos in report["acceptance_per_position"]:
             self.accepted_per_pos.labels(position=str(pos["position"] - 1)).inc(pos["accepted"])
-        self.generation_tokens.inc(gen.num_tokens)
+        self.generation_tokens.inc(returned)
         self.prompt_tokens.inc(len(gen.prompt_ids))
         self.requests.labels(finished_reason=finish).inc()
         self.latency.observe(time.perf_counter() - job.created)
@@ -694,12 +743,12 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         obj = "chat.completion" if chat else "text_completion"
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def final_fields(gen: Generation, report: dict) -> dict:
-            n_prompt, n_out = len(gen.prompt_ids), gen.num_tokens
-            return {"usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                              "total_tokens": n_prompt + n_out},
+        def final_fields(gen: Generation, report: dict, returned: int) -> dict:
+            n_prompt = len(gen.prompt_ids)
+            return {"usage": {"prompt_tokens": n_prompt, "completion_tokens": returned,
+                              "total_tokens": n_prompt + returned},
                     "system_fingerprint": f"verispec-seed-{params.seed}", "seed": params.seed,
-                    "token_ids": list(gen.token_ids), "verification": _json_safe(report)}
+                    "token_ids": list(gen.token_ids[:returned]), "verification": _json_safe(report)}
 
         if params.stream:
             async def events():
@@ -714,11 +763,12 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                                      "model": params.model, "choices": [choice]}
                             yield f"data: {json.dumps(chunk)}\n\n"
                         elif event[0] == "done":
-                            _, gen, _text, finish, report = event
+                            _, gen, _text, finish, report, returned = event
                             choice = ({"index": 0, "delta": {}, "finish_reason": finish} if chat else
                                       {"index": 0, "text": "", "logprobs": None, "finish_reason": finish})
                             chunk = {"id": rid, "object": chunk_obj, "created": created,
-                                     "model": params.model, "choices": [choice], **final_fields(gen, report)}
+                                     "model": params.model, "choices": [choice],
+                                     **final_fields(gen, report, returned)}
                             yield f"data: {json.dumps(chunk)}\n\n"
                             yield "data: [DONE]\n\n"
                             return
@@ -744,12 +794,12 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             raise
         if event[0] == "error":
             raise event[1]
-        _, gen, text, finish, report = event
+        _, gen, text, finish, report, returned = event
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                    "logprobs": None} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
         return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": [choice],
-                **final_fields(gen, report)}
+                **final_fields(gen, report, returned)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -177,9 +177,10 @@ def _bins(values: list[float], edges: list[float]) -> list[int]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One summary dict per config (in first-seen order)."""
+    """One summary dict per config: plain decoding first (the speed reference), then the others, each
+    in first-seen order (a sweep extended by --reuse-from writes its copied rows first)."""
     by_config: dict[str, list[dict]] = defaultdict(list)
-    for row in rows:
+    for row in sorted(rows, key=lambda r: r["rule"] != "plain"):  # stable: first-seen order otherwise
         by_config[row["config"]].append(row)
     index = {(r["config"], r["prompt_id"], r["seed"]): r for r in rows}
     config_of = {}  # (rule, k, T) -> config id
