@@ -103,6 +103,7 @@ def test_ray_rows_equal_the_local_executors(cluster, reference, tmp_path):
     for unit, row in reference.items():  # every field but the timings: the executor changes nothing else
         assert got[unit] == row, unit
     assert json.loads((tmp_path / "sweep.json").read_text())["backend"] == rows[0]["backend"]
+    assert len({r["run"] for r in rows}) == 1  # the driver marks every worker's rows with its run id
 
 
 @pytest.mark.slow
