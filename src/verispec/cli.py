@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 
 def catalogue_rows() -> list[dict[str, str]]:
@@ -106,6 +108,15 @@ def print_report(results: str, html: str | None = None, markdown: bool = False,
     return 0
 
 
+class Terminated(Exception):
+    """SIGTERM during `bench` (a sweep started in the background ignores SIGINT, so `kill PID` is how
+    it is stopped): unwinds like Ctrl-C, so the lock is released and every finished row stays."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from verispec.evaluation.sweep import SweepSpec, run_sweep
     from verispec.models import default_draft
@@ -129,9 +140,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"{given}: only with --executor ray")
     if args.executor == "ray" and not args.no_progress:
         print("bench: starting the Ray workers (each loads the model pair) ...", file=sys.stderr)
-    path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
-                     batch_size=args.batch_size, executor=args.executor, ray_options=ray_options,
-                     reuse_from=args.reuse_from)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None  # `kill PID` = Ctrl-C
+    try:
+        path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
+                         batch_size=args.batch_size, executor=args.executor, ray_options=ray_options,
+                         reuse_from=args.reuse_from)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(f"results: {path.resolve()}", file=sys.stderr)
     return 0 if args.no_report else print_report(args.out)
 
@@ -334,11 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a block-buffered pipe's last write happens here, inside the handlers
         return code
-    except KeyboardInterrupt:  # Ctrl-C: no traceback; a sweep's finished rows are already on disk
+    except (KeyboardInterrupt, Terminated) as stop:  # Ctrl-C / kill: no traceback; finished rows are on disk
         hint = " (every finished row is saved: the same command with --resume continues)" if (
             getattr(args, "func", None) is cmd_bench) else ""
-        print(f"verispec: interrupted{hint}", file=sys.stderr)
-        return 130  # 128 + SIGINT
+        how = "terminated" if isinstance(stop, Terminated) else "interrupted"
+        print(f"verispec: {how}{hint}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130  # 128 + SIGTERM / SIGINT
     except BrokenPipeError:  # `verispec report DIR | head`: the reader left; no error message, as `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE, the shell's status for a process killed by a broken pipe
