@@ -93,21 +93,20 @@ def rescore(rows: list[dict]) -> None:
 
 
 def pairs(rows: list[dict]) -> None:
-    from verispec.evaluation.report import mcnemar_exact, newcombe_paired_interval
+    from verispec.evaluation.report import _is_score, mcnemar_exact, newcombe_paired_interval, paired_table
 
-    scores = defaultdict(dict)  # config -> (prompt, seed) -> score
+    scores = defaultdict(dict)  # config -> (prompt, seed) -> score (a scorer that could not run: left out)
     for row in rows:
-        scores[row["config"]][(row["prompt_id"], row["seed"])] = row["score"]
+        if _is_score(row["score"]):
+            scores[row["config"]][(row["prompt_id"], row["seed"])] = row["score"]
     print("\nevery pair of configurations on their shared units (0/1 scores):")
     for a, b in itertools.combinations(scores, 2):
         shared = scores[a].keys() & scores[b].keys()
-        both = sum(scores[a][u] == scores[b][u] == 1 for u in shared)
-        wins = sum(scores[a][u] > scores[b][u] for u in shared)
-        losses = sum(scores[a][u] < scores[b][u] for u in shared)
         n = len(shared)
         if not n:
             continue
-        lo, hi = newcombe_paired_interval(both, wins, losses, n - both - wins - losses)
+        both, wins, losses, neither = paired_table([(scores[a][u], scores[b][u]) for u in shared])
+        lo, hi = newcombe_paired_interval(both, wins, losses, neither)
         d = (wins + losses) / n
         print(f"  {a} vs {b}: n={n} +{wins}/-{losses} diff={(wins - losses) / n:+.3f} [{lo:+.3f}, {hi:+.3f}] "
               f"McNemar p={mcnemar_exact(wins, losses):.3f} d={d:.2f} resolves {2.8 * (d / n) ** 0.5:.3f}")

@@ -534,14 +534,12 @@ class Engine:
         if job.first_token is None and gen.token_ids:
             job.first_token = time.perf_counter()
             self.server.metrics.ttft.observe(job.first_token - job.created)
-        decode = self.server.target.decode
-        ids = list(gen.token_ids)
-        returned = len(ids)  # the tokens of the response (usage, token_ids): all, or up to a stop string
+        returned = gen.num_tokens  # the tokens of the response (usage, token_ids): all, or up to a stop
         text = response_text(self.server.target, gen)  # the end-of-sequence token is no text
         stop_at = _find_stop(text, job.params.stop)
         if stop_at is not None:
             text, how = text[:stop_at], "stop"
-            returned = _tokens_through_stop(decode, ids, job.params.stop)
+            returned = _tokens_through_stop(self.server.target.decode, list(gen.token_ids), job.params.stop)
         finish = {"eos": "stop", "stop": "stop", "length": "length"}.get(how, how)
         stats = gen.stats(max_new_tokens=job.params.max_tokens, k=None if self.server.plain else job.params.k)
         report = stats["verification"]  # every token decoded, those past a stop string included

@@ -109,6 +109,15 @@ def newcombe_paired_interval(both: int, better: int, worse: int, neither: int,
     return max(-1.0, row - base - down), min(1.0, row - base + up)
 
 
+def paired_table(paired: list[tuple[float, float]]) -> tuple[int, int, int, int]:
+    """The 2x2 table of paired 0/1 scores (a, b): (both 1, only a, only b, neither), the counts
+    McNemar's test and Newcombe's interval take."""
+    both = sum(1 for a, b in paired if a == b == 1)
+    only_a = sum(1 for a, b in paired if a > b)
+    only_b = sum(1 for a, b in paired if a < b)
+    return both, only_a, only_b, len(paired) - both - only_a - only_b
+
+
 def percentile(ordered: list[float], q: float) -> float:
     """The q-quantile of sorted values, linearly interpolated between order statistics (numpy's default;
     an infinite neighbour gives inf); NaN for none."""
@@ -258,13 +267,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["score_diff_interval"] = (diff - half, diff + half)
         s["paired_units"] = len(paired)
         if paired and _binary([v for pair in paired for v in pair]):
-            better = sum(1 for a, b in paired if a > b)
-            worse_count = sum(1 for a, b in paired if a < b)
-            both = sum(1 for a, b in paired if a == b == 1)
+            both, better, worse_count, neither = paired_table(paired)
             s["discordant"] = (better, worse_count)
             s["p_value"] = mcnemar_exact(better, worse_count)
-            s["score_diff_interval"] = newcombe_paired_interval(both, better, worse_count,
-                                                                len(paired) - both - better - worse_count)
+            s["score_diff_interval"] = newcombe_paired_interval(both, better, worse_count, neither)
             worse = s["score_diff"] < 0 and s["p_value"] < 0.05
         else:
             s["discordant"], s["p_value"] = None, math.nan
