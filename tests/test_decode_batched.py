@@ -190,6 +190,33 @@ def test_long_and_short_prompts_and_eos_first():
     assert plain[2].token_ids == (EOS,) and plain[2].finish == "eos"
 
 
+def test_every_stop_token_ends_a_row():
+    """A model with two stop tokens (Qwen: <|im_end|> and <|endoftext|>): each path ends at the first
+    of either, keeps it as the last token, and batched rows still equal batch-1."""
+    target, draft = toy_pair()
+    stop2 = 2
+    target = TabularModel(target.table, name="toy-target", eos_token_id=EOS, stop_token_ids=(EOS, stop2))
+    config = DecodeConfig(k=3, max_new_tokens=12)
+    ps = prompts(8, seed=3)
+    spec = speculative_decode_batch(target, ModelDrafter(draft), ps, "lossless", config, gens(8, 40))
+    plain = autoregressive_decode_batch(target, ps, config, gens(8, 40))
+    last = set()
+    for i, (prompt, s, a) in enumerate(zip(ps, spec, plain)):
+        assert_same(s, speculative_decode(target, ModelDrafter(draft), prompt, "lossless", config, seeded(40 + i)))
+        assert_same(a, autoregressive_decode(target, prompt, config, seeded(40 + i)))
+        for out in (s, a):
+            ids = list(out.token_ids)
+            cut = [j for j, tok in enumerate(ids) if tok in (EOS, stop2)]
+            assert cut == ([len(ids) - 1] if out.finish == "eos" else []), (ids, out.finish)
+            if out.finish == "eos":
+                last.add(ids[-1])
+    assert last == {EOS, stop2}  # both stop tokens ended some row
+    # without stop_at_eos neither token stops a row
+    free = speculative_decode(target, ModelDrafter(draft), ps[0], "lossless",
+                              DecodeConfig(k=3, max_new_tokens=40, stop_at_eos=False), seeded(1))
+    assert free.finish == "length" and len(free.token_ids) == 40
+
+
 def test_bad_inputs():
     target, draft = toy_pair()
     config = DecodeConfig()

@@ -126,6 +126,29 @@ def test_every_rule_runs_on_the_default_pair(pair):
             assert out.stats["log_ratio"] == 0.0
 
 
+def test_stop_tokens_come_from_every_eos_setting(pair):
+    """HFModel stops where transformers' generate stops: tokenizer eos, config and generation config
+    eos_token_id (an int or a list), plus named stop tokens (Qwen's <|endoftext|>, lost by its GGUF)."""
+    from verispec.models import DEFAULT_PAIR, MODELS
+    from verispec.models.hf import load_hf, stop_token_ids
+
+    target, _ = pair
+    assert target.stop_token_ids == {target.eos_token_id}
+    gen_config = target.model.generation_config
+    saved = gen_config.eos_token_id
+    try:
+        gen_config.eos_token_id = [target.eos_token_id, 7]
+        assert stop_token_ids(target.model, target.tokenizer) == {target.eos_token_id, 7}
+    finally:
+        gen_config.eos_token_id = saved
+    name = target.tokenizer.convert_ids_to_tokens(9)
+    model = load_hf(DEFAULT_PAIR / "target", stop_tokens=(name,))
+    assert model.stop_token_ids == {model.eos_token_id, 9}
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        load_hf(DEFAULT_PAIR / "target", stop_tokens=("<|no such token|>",))
+    assert MODELS.get("qwen2.5-coder-1.5b").stop_tokens == ("<|endoftext|>",)
+
+
 def test_nan_logits_are_reported(pair):
     target, drafter = pair
 

@@ -271,6 +271,8 @@ def test_generate_accepts_integer_sequences(pair):
     ({"temperature": None}, "temperature"), ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"),
     ({"seed": 1.0}, "seed"), ({"device": "cuda:99"}, "device"), ({"device": "nonsense"}, "device"),
     ({"dtype": "float8"}, "dtype"), ({"chat": "yes"}, "chat"), ({"draft": 3}, "draft"),
+    ({"draft": None, "rule": "cos:w=0.9"}, "needs a draft"), ({"draft": "none", "rule": "lenience:l=0.5"},
+                                                               "needs a draft"),
 ])
 def test_generate_checks_every_argument_before_loading_a_model(kwargs, name):
     kwargs = {"target": "no-such-model-anywhere", **kwargs}  # loading it would raise FileNotFoundError

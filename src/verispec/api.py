@@ -167,6 +167,11 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
     if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose")
             or (hasattr(draft, "session") and hasattr(draft, "vocab_size"))):
         raise TypeError(f"draft must be None, a spec str, a model or a drafter, got {type(draft).__name__}")
+    parsed = parse(rule) if isinstance(rule, str) else rule
+    if (draft is None or draft == "none") and not parsed.lossless:
+        # plain decoding samples the target itself: a lossy rule would be silently ignored
+        raise ValueError(f"rule {parsed.spec!r} needs a draft; draft=None decodes the target plainly "
+                         "(give a draft, or a lossless rule)")
     for name, value in (("k (draft tokens per block)", k), ("max_new_tokens", max_new_tokens)):
         if not _is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")

@@ -36,7 +36,7 @@ class DecodeConfig:
     k: int = 4
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # end at the first of the target's stop tokens (`stop_ids`)
     diagnostics: bool = True
     keep_probs: bool = False  # keep the full V-sized target/draft rows of every emitted position
 
@@ -50,7 +50,7 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class Block:
     proposed: int  # draft tokens proposed
-    accepted: int  # of which the rule accepted
+    accepted: int  # of which the rule accepted (all of them, also those after a stop token)
     emitted: int  # tokens kept from this block (accepted + recovered/bonus, cut at EOS / max tokens)
 
 
@@ -63,7 +63,7 @@ class Generation:
     target_calls: int
     draft_calls: int
     seconds: float
-    finish: str  # "eos", "length", or "cancelled" (`BatchDecoder.cancel`)
+    finish: str  # "eos" (a stop token, the last of token_ids), "length", or "cancelled" (`BatchDecoder.cancel`)
     rule: str
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
@@ -246,6 +246,16 @@ def check_context(model, prompt_len: int, max_new_tokens: int, drafter=None) -> 
             )
 
 
+def stop_ids(model) -> frozenset[int]:
+    """The token ids that end a generation: the model's `stop_token_ids` (all its end-of-sequence
+    tokens, e.g. Qwen's <|im_end|> and <|endoftext|>), else its single `eos_token_id`."""
+    ids = getattr(model, "stop_token_ids", None)
+    if ids is None:
+        eos = getattr(model, "eos_token_id", None)
+        ids = () if eos is None else (eos,)
+    return frozenset(int(i) for i in ids)
+
+
 def _calls(obj) -> int:
     """Forward passes counted by a model (or by a drafter's model); 0 for model-free drafters."""
     if hasattr(obj, "calls"):
@@ -310,7 +320,7 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
     prompt = _as_prompt(prompt_ids)
     _check_tokens(prompt, target.vocab_size)
     check_context(target, prompt.shape[1], config.max_new_tokens, drafter)
-    sampling, eos = config.sampling, target.eos_token_id if config.stop_at_eos else None
+    sampling, stops = config.sampling, stop_ids(target) if config.stop_at_eos else frozenset()
     session = target.session()
     drafter.start()
     record = _Recorder(rule, config)
@@ -345,9 +355,9 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
             out = sample_from(rule.bonus_law(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
         roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
         keep = min(len(out), remaining)
-        if eos is not None and (out[:keep] == eos).any():
-            keep = int((out[:keep] == eos).nonzero()[0]) + 1
-            finish = "eos"
+        stopped = [j for j, tok in enumerate(out[:keep].tolist()) if tok in stops]
+        if stopped:
+            keep, finish = stopped[0] + 1, "eos"
         record.add(logits[:keep], p[:keep], q[0, : min(kk, keep)], out[:keep], roles[:keep])
         blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
         seq = torch.cat([seq, out[None, :keep]], 1)
@@ -372,7 +382,7 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
     _check_tokens(prompt, target.vocab_size)
     check_context(target, prompt.shape[1], config.max_new_tokens)
     rule = parse("lossless")
-    eos = target.eos_token_id if config.stop_at_eos else None
+    stops = stop_ids(target) if config.stop_at_eos else frozenset()
     session = target.session()
     record = _Recorder(rule, config)
     calls0 = _calls(target)
@@ -388,7 +398,7 @@ def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfi
         tok = sample_from(p, torch.rand(1, generator=generator, dtype=torch.float64))  # [1]
         record.add(logits, p, empty_q.to(p.dtype), tok, ["plain"])
         seq = torch.cat([seq, tok[None]], 1)
-        if eos is not None and int(tok) == eos:
+        if int(tok) in stops:
             finish = "eos"
             break
     record.flush()
@@ -437,7 +447,7 @@ class _Row:
     seq: Tensor  # [L], the committed sequence (prompt + emitted)
     generator: torch.Generator | None
     config: DecodeConfig
-    eos: int | None
+    stops: frozenset[int]  # the token ids that end the row (empty: run to max_new_tokens)
     record: _Recorder
     start: float
     blocks: list[Block] = field(default_factory=list)
@@ -501,8 +511,8 @@ class BatchDecoder:
         check_context(self.target, prompt.shape[0], config.max_new_tokens, self.drafter)
         row = self._next_id
         self._next_id += 1
-        eos = self.target.eos_token_id if config.stop_at_eos else None
-        self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, eos=eos,
+        stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
+        self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
                                record=_Recorder(self.rule, config), start=time.perf_counter())
         return row
 
@@ -562,9 +572,9 @@ class BatchDecoder:
             remaining = r.config.max_new_tokens - r.new
             keep = min(len(out), remaining)
             finish = None
-            if r.eos is not None and r.eos in out[:keep]:
-                keep = out.index(r.eos) + 1
-                finish = "eos"
+            stopped = [j for j, tok in enumerate(out[:keep]) if tok in r.stops]
+            if stopped:
+                keep, finish = stopped[0] + 1, "eos"
             roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
             kept = tokens[i, :keep]
             q_kept = proposals[i][1][: min(kk, keep)]
@@ -598,7 +608,7 @@ class BatchDecoder:
             r.blocks.append(Block(0, 0, 1))
             r.target_calls += 1
             r.target_seconds += seconds
-            if r.eos is not None and tok == r.eos:
+            if tok in r.stops:
                 ends.append((row_id, "eos"))
             elif r.new >= r.config.max_new_tokens:
                 ends.append((row_id, "length"))

