@@ -354,6 +354,37 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
     assert r.usage.completion_tokens == 5
 
 
+def test_a_response_that_cannot_be_built_fails_alone(srv, monkeypatch):
+    """Fault injection: building one request's response raises. That request gets a 500 (a JSON error,
+    or an SSE error event once streaming began); the engine, and every other request, go on."""
+    import verispec.api
+
+    real = verispec.api.response_text
+    poison = "POISON"
+
+    def response_text(model, gen):
+        if poison in model.decode(list(gen.prompt_ids)):
+            raise RuntimeError("broken on purpose")
+        return real(model, gen)
+
+    monkeypatch.setattr(verispec.api, "response_text", response_text)
+    with ThreadPoolExecutor(3) as pool:
+        good = pool.submit(srv.client.completions.create, model="default", prompt=PROMPT, max_tokens=12, seed=3)
+        bad = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=120,
+                          json={"prompt": poison, "max_tokens": 12, "seed": 3})
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                          json={"prompt": poison, "max_tokens": 12, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+        resp = bad.result()
+        assert good.result().usage.completion_tokens == 12
+    assert resp.status_code == 500 and "broken on purpose" in resp.json()["error"]["message"]
+    assert "broken on purpose" in json.loads(events[-1])["error"]["message"] and "[DONE]" not in events
+    assert srv.health()["status"] == "ok" and srv.wait_until(lambda h: h["running"] == 0)["waiting"] == 0
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1)
+    assert r.usage.completion_tokens == 5
+
+
 def test_response_text_leaves_out_the_end_of_sequence_token():
     """The text of a response that stopped at end-of-sequence does not end in the control token (the
     default tokenizer decodes it as '<|endoftext|>', Qwen's as '<|im_end|>'); token_ids keep it."""

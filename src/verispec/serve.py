@@ -23,6 +23,7 @@ import asyncio
 import copy
 import itertools
 import json
+import logging
 import math
 import secrets
 import threading
@@ -40,6 +41,8 @@ from starlette.exceptions import HTTPException
 from verispec.decode import BatchDecoder, DecodeConfig, Generation
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
 
@@ -354,6 +357,7 @@ class Job:
     done: bool = False
     group: tuple | None = None
     row: int | None = None
+    result: tuple | None = None  # the final ("done", ...) event, once built
 
 
 class Engine:
@@ -502,19 +506,36 @@ class Engine:
             self._end(key, row, gen, gen.finish)
         for row in dec.active:
             job = self._jobs[(key, row)]
-            if job.first_token is None or job.params.stream or job.params.stop:
-                ids = dec.tokens(row)
-                if ids and job.first_token is None:
-                    job.first_token = now
-                    self.server.metrics.ttft.observe(now - job.created)
-                if job.params.stream or job.params.stop:
-                    text = self.server.target.decode(ids)
-                    if _find_stop(text, job.params.stop) is not None:
-                        self._end(key, row, dec.cancel(row), "stop")
-                    elif job.params.stream:
-                        self._stream(job, text, final=False)
+            try:
+                self._progress(key, dec, row, job, now)
+            except Exception as err:  # noqa: BLE001  fails this request alone
+                if (key, row) in self._jobs:
+                    self._fail(key, row, err)
+                if row in dec.active:
+                    dec.cancel(row)
         if not dec.active:
             del self._groups[key]
+
+    def _progress(self, key: tuple, dec: BatchDecoder, row: int, job: Job, now: float) -> None:
+        """After a block: time to first token, then (streaming or stop strings) new text and stops."""
+        if job.first_token is None or job.params.stream or job.params.stop:
+            ids = dec.tokens(row)
+            if ids and job.first_token is None:
+                job.first_token = now
+                self.server.metrics.ttft.observe(now - job.created)
+            if job.params.stream or job.params.stop:
+                text = self.server.target.decode(ids)
+                if _find_stop(text, job.params.stop) is not None:
+                    self._end(key, row, dec.cancel(row), "stop")
+                elif job.params.stream:
+                    self._stream(job, text, final=False)
+
+    def _fail(self, key: tuple, row: int, err: Exception) -> None:
+        """A row's request fails (500) and leaves the engine; the other rows and requests go on."""
+        job = self._jobs.pop((key, row))
+        self.running -= 1
+        log.error("request %s failed: %r", job.id, err)
+        self._emit(job, ("error", APIError(500, f"the response could not be built: {err}", kind="server_error")))
 
     def _stream(self, job: Job, text: str, final: bool) -> None:
         if not final:
@@ -527,10 +548,20 @@ class Engine:
 
     def _end(self, key: tuple, row: int, gen: Generation, how: str) -> None:
         """A row left its decoder: deliver its response (or drop it if the client left)."""
+        job = self._jobs[(key, row)]
+        try:
+            self._deliver(job, gen, how)
+        except Exception as err:  # noqa: BLE001  a response that cannot be built fails alone
+            self._fail(key, row, err)
+            return
+        del self._jobs[(key, row)]
+        self.running -= 1
+        self._emit(job, job.result)
+
+    def _deliver(self, job: Job, gen: Generation, how: str) -> None:
+        """Build a finished row's response event (`job.result`), stream its last text, record metrics."""
         from verispec.api import response_text
 
-        job = self._jobs.pop((key, row))
-        self.running -= 1
         if job.first_token is None and gen.token_ids:
             job.first_token = time.perf_counter()
             self.server.metrics.ttft.observe(job.first_token - job.created)
@@ -545,10 +576,10 @@ class Engine:
         report = stats["verification"]  # every token decoded, those past a stop string included
         if how == "stop":
             report["finish"] = "stop"  # not "cancelled": the decoder's row was ended by the stop string
-        self.server.metrics.record(job, gen, report, finish, returned)
         if job.params.stream and how != "cancelled":
             self._stream(job, text, final=True)
-        self._emit(job, ("done", gen, text, finish, report, returned))
+        self.server.metrics.record(job, gen, report, finish, returned)
+        job.result = ("done", gen, text, finish, report, returned)
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
