@@ -369,7 +369,8 @@ def test_a_response_that_cannot_be_built_fails_alone(srv, monkeypatch):
 
     monkeypatch.setattr(verispec.api, "response_text", response_text)
     with ThreadPoolExecutor(3) as pool:
-        good = pool.submit(srv.client.completions.create, model="default", prompt=PROMPT, max_tokens=12, seed=3)
+        good = pool.submit(srv.client.completions.create, model="default", prompt=PROMPT, max_tokens=12,
+                           seed=3)
         bad = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=120,
                           json={"prompt": poison, "max_tokens": 12, "seed": 3})
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,

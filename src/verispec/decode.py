@@ -63,7 +63,7 @@ class Generation:
     target_calls: int
     draft_calls: int
     seconds: float
-    finish: str  # "eos" (a stop token, the last of token_ids), "length", or "cancelled" (`BatchDecoder.cancel`)
+    finish: str  # "eos" (a stop token: the last token), "length", or "cancelled" (`BatchDecoder.cancel`)
     rule: str
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and

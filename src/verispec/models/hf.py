@@ -266,4 +266,5 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as err:
         raise FileNotFoundError(f"could not load a causal LM from {path}: {err}") from err
-    return HFModel(model.to(device), tokenizer, name or str(path / (gguf_file or "")), stop_tokens=stop_tokens)
+    return HFModel(model.to(device), tokenizer, name or str(path / (gguf_file or "")),
+                   stop_tokens=stop_tokens)
