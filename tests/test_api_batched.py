@@ -16,11 +16,11 @@ PROMPTS = ["KING.\nWhat says the queen?\n", "To be", "ROMEO.\nBut soft, what lig
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["auto", None])
 def test_generate_several_prompts_equals_each_alone(draft):
-    many = verispec.generate(PROMPTS, draft=draft, rule="lenience:l=0.5", seed=5, max_new_tokens=24,
-                             batch_size=2)
+    rule = "lenience:l=0.5" if draft else "lossless"  # plain decoding (draft None) refuses a lossy rule
+    many = verispec.generate(PROMPTS, draft=draft, rule=rule, seed=5, max_new_tokens=24, batch_size=2)
     assert isinstance(many, list) and len(many) == len(PROMPTS)
     for i, (prompt, result) in enumerate(zip(PROMPTS, many)):
-        alone = verispec.generate(prompt, draft=draft, rule="lenience:l=0.5", seed=5 + i, max_new_tokens=24)
+        alone = verispec.generate(prompt, draft=draft, rule=rule, seed=5 + i, max_new_tokens=24)
         assert result.token_ids == alone.token_ids
         assert result.stats["acceptance_rate"] == pytest.approx(alone.stats["acceptance_rate"], nan_ok=True)
         assert result.stats["mean_tv"] == pytest.approx(alone.stats["mean_tv"], rel=1e-5, abs=1e-7)
