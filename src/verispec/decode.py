@@ -256,6 +256,11 @@ def stop_ids(model) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def first_stop(tokens: list[int], stops: frozenset[int]) -> int | None:
+    """The index of the first stop token in a block's emitted tokens, or None."""
+    return next((j for j, tok in enumerate(tokens) if tok in stops), None)
+
+
 def _calls(obj) -> int:
     """Forward passes counted by a model (or by a drafter's model); 0 for model-free drafters."""
     if hasattr(obj, "calls"):
@@ -355,9 +360,9 @@ def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | 
             out = sample_from(rule.bonus_law(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
         roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
         keep = min(len(out), remaining)
-        stopped = [j for j, tok in enumerate(out[:keep].tolist()) if tok in stops]
-        if stopped:
-            keep, finish = stopped[0] + 1, "eos"
+        stop = first_stop(out[:keep].tolist(), stops)
+        if stop is not None:
+            keep, finish = stop + 1, "eos"
         record.add(logits[:keep], p[:keep], q[0, : min(kk, keep)], out[:keep], roles[:keep])
         blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
         seq = torch.cat([seq, out[None, :keep]], 1)
@@ -572,9 +577,9 @@ class BatchDecoder:
             remaining = r.config.max_new_tokens - r.new
             keep = min(len(out), remaining)
             finish = None
-            stopped = [j for j, tok in enumerate(out[:keep]) if tok in r.stops]
-            if stopped:
-                keep, finish = stopped[0] + 1, "eos"
+            stop = first_stop(out[:keep], r.stops)
+            if stop is not None:
+                keep, finish = stop + 1, "eos"
             roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
             kept = tokens[i, :keep]
             q_kept = proposals[i][1][: min(kk, keep)]

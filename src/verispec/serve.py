@@ -357,7 +357,6 @@ class Job:
     done: bool = False
     group: tuple | None = None
     row: int | None = None
-    result: tuple | None = None  # the final ("done", ...) event, once built
 
 
 class Engine:
@@ -551,16 +550,16 @@ class Engine:
         """A row left its decoder: deliver its response (or drop it if the client left)."""
         job = self._jobs[(key, row)]
         try:
-            self._deliver(job, gen, how)
+            event = self._deliver(job, gen, how)
         except Exception as err:  # noqa: BLE001  a response that cannot be built fails alone
             self._fail(key, row, err)
             return
         del self._jobs[(key, row)]
         self.running -= 1
-        self._emit(job, job.result)
+        self._emit(job, event)
 
-    def _deliver(self, job: Job, gen: Generation, how: str) -> None:
-        """Build a finished row's response event (`job.result`), stream its last text, record metrics."""
+    def _deliver(self, job: Job, gen: Generation, how: str) -> tuple:
+        """A finished row's response event; streams its last text and records its metrics."""
         from verispec.api import response_text
 
         if job.first_token is None and gen.token_ids:
@@ -580,7 +579,7 @@ class Engine:
         if job.params.stream and how != "cancelled":
             self._stream(job, text, final=True)
         self.server.metrics.record(job, gen, report, finish, returned)
-        job.result = ("done", gen, text, finish, report, returned)
+        return ("done", gen, text, finish, report, returned)
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:
