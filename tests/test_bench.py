@@ -258,6 +258,24 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
     assert sorted(decoded) == sorted(u for u, r in g_rows.items() if r["rule"] == "plain")  # plain only
     assert {u: r["reused_from"] for u, r in g_rows.items() if r["rule"] != "plain"} == {
         u: str(tmp_path / ("a" if u in copied else "b")) for u, r in b_rows.items() if r["rule"] != "plain"}
+    # --reuse-plain copies plain rows too: only the units no source holds are decoded (the same rows as
+    # decoding everything here), and those have no speedup, which the report says
+    decoded.clear()
+    run_sweep(wide, tmp_path / "h", progress=False, batch_size=2, reuse_from=tmp_path / "a", reuse_plain=True,
+              on_row=lambda row, _: decoded.append(row["unit"]))
+    h_rows = {r["unit"]: r for r in read_rows(tmp_path / "h" / "results.jsonl")}
+    assert {u for u, r in h_rows.items() if "reused_from" in r} == set(a_rows)  # plain rows included
+    assert sorted(decoded) == sorted(set(b_rows) - set(a_rows))
+    assert comparable([{k: v for k, v in r.items() if k != "reused_from"} for r in h_rows.values()]) == \
+        comparable(c_rows)
+    h_summary = {s["rule"]: s for s in summarize(list(h_rows.values()))}
+    cos = next(s for rule, s in h_summary.items() if rule.startswith("cos"))
+    assert cos["speedup"] != cos["speedup"] and cos["unpaired"] == 3  # NaN: no plain row timed here
+    h_table, _ = write_report(tmp_path / "h")
+    assert "whose plain rows were copied by --reuse-plain" in h_table
+    with pytest.raises(ValueError, match="copies plain rows from --reuse-from"):
+        run_sweep(wide, tmp_path / "i", progress=False, reuse_plain=True)
+    assert not (tmp_path / "i").exists()
     # other settings (here max_new_tokens) give other unit keys: nothing is copied
     other = replace(wide, max_new_tokens=10, limit=1)
     run_sweep(other, tmp_path / "d", progress=False, batch_size=2, reuse_from=tmp_path / "a")

@@ -76,6 +76,21 @@ def test_greedy_speculative_equals_plain_fp32():
     assert spec.target_calls < plain.target_calls
 
 
+def test_named_qwen_stops_at_both_end_tokens():
+    """Upstream Qwen2.5-Coder-Instruct ends generation at <|im_end|> or <|endoftext|>; the GGUF names only
+    the first, so the model registry adds the second. Loaded by name, as the CLI and sweeps load it."""
+    model = load_model.__wrapped__("qwen2.5-coder-0.5b")  # uncached: freed after
+    try:
+        tok = model.tokenizer
+        im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+        assert (im_end, endoftext) == (151645, 151643)
+        assert model.eos_token_id == im_end
+        assert model.stop_token_ids == {im_end, endoftext}
+    finally:
+        del model
+        gc.collect()
+
+
 def test_pair_shares_a_vocabulary_and_other_families_are_refused():
     both = [qwen.parts_installed(qwen.PART_SETS[n]) for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
     if not all(both):

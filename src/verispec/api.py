@@ -155,9 +155,10 @@ def check_device(device) -> str:
     return device
 
 
-def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict, seed, chat, diagnostics,
-                         device, dtype, draft_dtype) -> None:
-    """Every argument of `generate` except the prompt, checked before any model loads."""
+def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict, seeds: list, chat,
+                         diagnostics, device, dtype, draft_dtype) -> Rule:
+    """Every argument of `generate` except the prompt, checked once, before any model loads; `seeds`
+    holds one seed per prompt. Returns the rule, parsed."""
     if not (isinstance(rule, (str, Rule))):
         raise TypeError(f"rule must be a rule spec str (e.g. 'lossless') or a Rule, "
                         f"got {type(rule).__name__}")
@@ -182,10 +183,11 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
             raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if sampling["temperature"] is None:
         raise TypeError("temperature must be a number >= 0 (0 = greedy), got None")
-    if not _is_int(seed):
-        raise TypeError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
-    if not 0 <= int(seed) <= MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**63-1], got {int(seed)}")
+    for seed in seeds:
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+        if not 0 <= int(seed) <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63-1], got {int(seed)}")
     if chat is not None and not isinstance(chat, bool):
         raise TypeError(f"chat must be None, True or False, got {chat!r}")
     if not isinstance(diagnostics, bool):
@@ -196,6 +198,7 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
                             f"got {type(value).__name__}")
         as_dtype(value)
     check_device(device)
+    return parsed
 
 
 def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> list[int]:
@@ -300,16 +303,14 @@ def generate(
     several = _several_prompts(prompt)
     prompts = [_check_prompt(p) for p in (prompt if several else [prompt])]
     seeds = _check_seeds(seed, len(prompts))
-    for one_seed in seeds:
-        _check_generate_args(target, draft, rule, k, max_new_tokens,
-                             {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                              "eta": eta},
-                             one_seed, chat, diagnostics, device, dtype, draft_dtype)
+    rule = _check_generate_args(target, draft, rule, k, max_new_tokens,
+                                {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                                 "eta": eta},
+                                seeds, chat, diagnostics, device, dtype, draft_dtype)
     seeds = [int(s) for s in seeds]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     k, max_new_tokens = int(k), int(max_new_tokens)
-    rule = parse(rule) if isinstance(rule, str) else rule
     sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
     target_model = resolve_target(target, device, as_dtype(dtype))

@@ -145,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
                          batch_size=args.batch_size, executor=args.executor, ray_options=ray_options,
-                         reuse_from=args.reuse_from)
+                         reuse_from=args.reuse_from, reuse_plain=args.reuse_plain)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="copy the rows other sweeps already decoded for the same units (same models, "
                             "dtypes, device, prompts, seeds and configurations) instead of decoding them "
                             "again; plain decoding is always re-run, so speedups stay measured in this run")
+    bench.add_argument("--reuse-plain", action="store_true",
+                       help="with --reuse-from: copy plain decoding's rows too (a rule added for its "
+                            "quality alone; the rows decoded here then have no speedup)")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--no-report", action="store_true")
     bench.add_argument("--executor", choices=["local", "ray"], default="local",

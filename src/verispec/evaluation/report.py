@@ -621,8 +621,9 @@ def speedup_notes(summary: list[dict]) -> list[str]:
             paired = s["units"] - s["unpaired"] - s["reused"]
             over = f"its speedup is over the other {paired}" if paired else "it has no speedup"
             notes.append(f"{s['config']}: {s['unpaired']} row(s) have no plain row timed in the same run "
-                         "at the same batch size (a sweep resumed part-way through a chunk, or with "
-                         f"another --batch-size), so {over}")
+                         "at the same batch size (a sweep resumed part-way through a chunk or with "
+                         "another --batch-size, or whose plain rows were copied by --reuse-plain), "
+                         f"so {over}")
     return notes
 
 

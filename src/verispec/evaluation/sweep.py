@@ -185,7 +185,7 @@ EXECUTORS = ("local", "ray")
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
               batch_size: int = 1, executor: str = "local", ray_options=None,
               on_row: Callable[[dict, tuple], None] | None = None,
-              reuse_from: str | Path | Sequence[str | Path] | None = None) -> Path:
+              reuse_from: str | Path | Sequence[str | Path] | None = None, reuse_plain: bool = False) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
 
     Order: every setting is validated, the directory locked (one writer at a time), the models loaded
@@ -205,8 +205,14 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     `reuse_from`: other sweeps' directories (or results files). Their rows whose unit key a unit of this
     sweep has (same suite, models, dtypes, device, backend, prompt, seed, rule, k, temperature and
     max_new_tokens: the same result) are copied instead of decoded, marked `reused_from`, with their
-    own timings; plain decoding is never copied, so every speedup of a newly decoded row is measured
-    against plain rows timed in this run (`reuse_rows`)."""
+    own timings; plain decoding is not copied, so every speedup of a newly decoded row is measured
+    against plain rows timed in this run (`reuse_rows`). `reuse_plain` copies plain rows too: a rule
+    added to a finished study for its quality alone, without paying for plain decoding again; its rows
+    then have no speedup (the report says so), every other column is unchanged."""
+    if not isinstance(reuse_plain, bool):
+        raise TypeError(f"reuse_plain must be True or False, got {reuse_plain!r}")
+    if reuse_plain and not reuse_from:
+        raise ValueError("reuse_plain (--reuse-plain) copies plain rows from --reuse-from: give the sweeps")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if executor not in EXECUTORS:
@@ -259,7 +265,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 if has_rows:
                     _check_resumable(spec_path, spec)
                 spec_path.write_text(_settings_json(spec), encoding="utf-8")
-                reuse_rows(spec, units, sources, results_path, progress)
+                reuse_rows(spec, units, sources, results_path, progress, reuse_plain)
                 pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run)
             return results_path
 
@@ -271,7 +277,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
         check_contexts(suite, prompts, target, drafter, max_new)
         spec_path.write_text(_settings_json(spec), encoding="utf-8")
-        reuse_rows(spec, units, sources, results_path, progress)
+        reuse_rows(spec, units, sources, results_path, progress, reuse_plain)
         _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size,
                    on_row, run)
     return results_path
@@ -298,15 +304,15 @@ def read_reusable(sources, results_path: Path) -> list[tuple[str, Path]]:
 
 
 def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_path: Path,
-               progress: bool = False) -> int:
+               progress: bool = False, reuse_plain: bool = False) -> int:
     """Append the rows of other sweeps (`read_reusable`; the first source holding a unit wins) that are
     results of this sweep's units not yet done: same unit key, and the row's own prompt, seed and
-    configuration agree with it. Plain decoding is not copied (it is the speed reference: re-decoded
-    here, beside this run's rows). Each copy keeps its tokens, metrics and timings (batch size
-    included) and gains `reused_from`: the sweep that decoded it, kept through copies of copies.
+    configuration agree with it. Plain decoding is not copied unless `reuse_plain` (it is the speed
+    reference: re-decoded here, beside this run's rows). Each copy keeps its tokens, metrics and timings
+    (batch size included) and gains `reused_from`: the sweep that decoded it, kept through copies of copies.
     Returns the count."""
     wanted = {unit_key(spec, item, seed, config): (item.id, seed, config.id)
-              for _, item, seed, config in units if config.rule != PLAIN}
+              for _, item, seed, config in units if reuse_plain or config.rule != PLAIN}
     total = 0
     with ResultsFile(results_path) as store:
         for source, path in sources:

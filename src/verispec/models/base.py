@@ -29,6 +29,9 @@ class Session(Protocol):
 
 @runtime_checkable
 class LanguageModel(Protocol):
+    """What decoding needs of a model. Optional: `stop_token_ids`, every id that ends a generation
+    (HFModel and TabularModel have it); without it `decode.stop_ids` uses `eos_token_id` alone."""
+
     name: str
     vocab_size: int
     eos_token_id: int | None
