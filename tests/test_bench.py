@@ -259,7 +259,7 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
     assert {u: r["reused_from"] for u, r in g_rows.items() if r["rule"] != "plain"} == {
         u: str(tmp_path / ("a" if u in copied else "b")) for u, r in b_rows.items() if r["rule"] != "plain"}
     # --reuse-plain copies plain rows too: only the units no source holds are decoded (the same rows as
-    # decoding everything here), and those have no speedup, which the report says
+    # decoding everything here); a row whose plain row was copied has no speedup, which the report says
     decoded.clear()
     run_sweep(wide, tmp_path / "h", progress=False, batch_size=2, reuse_from=tmp_path / "a", reuse_plain=True,
               on_row=lambda row, _: decoded.append(row["unit"]))
@@ -270,9 +270,14 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
         comparable(c_rows)
     h_summary = {s["rule"]: s for s in summarize(list(h_rows.values()))}
     cos = next(s for rule, s in h_summary.items() if rule.startswith("cos"))
-    assert cos["speedup"] != cos["speedup"] and cos["unpaired"] == 3  # NaN: no plain row timed here
+    # prompts 0-1: plain copied from a; prompt 2 (not in a): plain decoded here, the speedup's one pair
+    h_new = {r["rule"]: r for r in h_rows.values() if r["prompt_index"] == 2}
+    assert cos["unpaired"] == 2 and "reused_from" not in h_new["plain"]
+    assert cos["speedup"] == pytest.approx(
+        h_new[cos["rule"]]["tokens"] / h_new[cos["rule"]]["batch_seconds"]
+        / (h_new["plain"]["tokens"] / h_new["plain"]["batch_seconds"]))
     h_table, _ = write_report(tmp_path / "h")
-    assert "whose plain rows were copied by --reuse-plain" in h_table
+    assert "whose plain rows were copied by --reuse-plain), so its speedup is over the other 1" in h_table
     with pytest.raises(ValueError, match="copies plain rows from --reuse-from"):
         run_sweep(wide, tmp_path / "i", progress=False, reuse_plain=True)
     assert not (tmp_path / "i").exists()
