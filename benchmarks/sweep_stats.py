@@ -10,9 +10,13 @@
   whose score differs (e.g. a correct program that timed out while the sweep loaded the machine);
 - with --pairs (0/1 scores): every pair of configurations on their shared units, not only each row
   against its baseline as the report does: wins/losses, difference with Newcombe's interval, exact
-  McNemar p, the discordant fraction d and the difference McNemar resolves at 80% power, 2.8 sqrt(d/n).
+  McNemar p, the discordant fraction d and the difference McNemar resolves at 80% power, 2.8 sqrt(d/n);
+  --also DIR [DIR ...] adds the configurations other sweeps of the same suite, models, dtypes, device
+  and backend hold that this one does not (e.g. a rule decoded in its own sweep against the core's).
 
     python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop --rescore --pairs
+    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-lenience --pairs \
+        --also benchmarks/sweeps/qwen-humaneval-core
 """
 
 from __future__ import annotations
@@ -109,7 +113,26 @@ def pairs(rows: list[dict]) -> None:
         lo, hi = newcombe_paired_interval(both, wins, losses, neither)
         d = (wins + losses) / n
         print(f"  {a} vs {b}: n={n} +{wins}/-{losses} diff={(wins - losses) / n:+.3f} [{lo:+.3f}, {hi:+.3f}] "
-              f"McNemar p={mcnemar_exact(wins, losses):.3f} d={d:.2f} resolves {2.8 * (d / n) ** 0.5:.3f}")
+              f"McNemar p={mcnemar_exact(wins, losses):.3g} d={d:.2f} resolves {2.8 * (d / n) ** 0.5:.3f}")
+
+
+SETTINGS = ("suite", "target", "draft", "dtype", "draft_dtype", "device", "backend")
+
+
+def other_configs(rows: list[dict], sweeps: list[str]) -> list[dict]:
+    """The rows of other sweeps whose configuration `rows` lacks; refused (SystemExit) if a sweep's
+    settings differ, since then its rows are another experiment's."""
+    mine = {tuple(r[k] for k in SETTINGS) for r in rows}
+    have = {r["config"] for r in rows}
+    extra = []
+    for sweep in sweeps:
+        theirs = read_rows(f"{sweep}/results.jsonl")
+        settings = {tuple(r[k] for k in SETTINGS) for r in theirs}
+        if settings != mine:
+            raise SystemExit(f"--also {sweep}: other settings ({sorted(settings)} vs {sorted(mine)})")
+        extra += [r for r in theirs if r["config"] not in have]
+        have |= {r["config"] for r in theirs}
+    return extra
 
 
 def main() -> None:
@@ -119,6 +142,8 @@ def main() -> None:
     parser.add_argument("--fence-stop", action="store_true", help="also measure a closing-fence stop string")
     parser.add_argument("--rescore", action="store_true", help="score every row's text again")
     parser.add_argument("--pairs", action="store_true", help="compare every pair of configurations")
+    parser.add_argument("--also", nargs="+", default=[], metavar="DIR",
+                        help="with --pairs: other sweeps (same settings) whose configurations join the pairs")
     args = parser.parse_args()
     rows = read_rows(f"{args.sweep}/results.jsonl")
     timings(rows)
@@ -127,8 +152,10 @@ def main() -> None:
         fence_stop(rows, rows[0]["target"])
     if args.rescore:
         rescore(rows)
+    if args.also and not args.pairs:
+        parser.error("--also works with --pairs")
     if args.pairs:
-        pairs(rows)
+        pairs(rows + other_configs(rows, args.also))
 
 
 if __name__ == "__main__":
