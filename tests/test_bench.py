@@ -276,6 +276,12 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
     assert cos["speedup"] == pytest.approx(
         h_new[cos["rule"]]["tokens"] / h_new[cos["rule"]]["batch_seconds"]
         / (h_new["plain"]["tokens"] / h_new["plain"]["batch_seconds"]))
+    # lossless: prompts 0-1 copied beside their copied plain rows (left out: their speedup is a's),
+    # prompt 2 decoded here beside its plain row
+    assert h_summary["lossless"]["unpaired"] == 0 and h_summary["lossless"]["reused"] == 2
+    assert h_summary["lossless"]["speedup"] == pytest.approx(
+        h_new["lossless"]["tokens"] / h_new["lossless"]["batch_seconds"]
+        / (h_new["plain"]["tokens"] / h_new["plain"]["batch_seconds"]))
     h_table, _ = write_report(tmp_path / "h")
     assert "whose plain rows were copied by --reuse-plain), so its speedup is over the other 1" in h_table
     with pytest.raises(ValueError, match="copies plain rows from --reuse-from"):

@@ -212,9 +212,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         # pairs timed in the same run: a sweep resumed part-way through a chunk timed the chunk's other
         # configurations in another process (rows record their `run`; rows written before they did
         # pair as before), and a row copied by --reuse-from was timed beside another sweep's plain row
+        # (a copied row is left out even beside a plain row copied from its own run, by --reuse-plain:
+        # its speedup is the source sweep's, which that sweep's report gives)
         pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
                  and _batch_size(a) == _batch_size(b) and a.get("run") == b.get("run")
-                 and a.get("reused_from") == b.get("reused_from")]
+                 and "reused_from" not in a and "reused_from" not in b]
         s["unpaired"] = (0 if plain_id is None or r0["rule"] == "plain" else
                          sum(1 for r in group if "reused_from" not in r) - len(pairs))
         if pairs:
