@@ -255,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reuse-from", nargs="+", default=None, metavar="DIR",
                        help="copy the rows other sweeps already decoded for the same units (same models, "
                             "dtypes, device, prompts, seeds and configurations) instead of decoding them "
-                            "again; plain decoding is always re-run, so speedups stay measured in this run")
+                            "again; plain decoding is re-run (unless --reuse-plain), so speedups stay "
+                            "measured in this run")
     bench.add_argument("--reuse-plain", action="store_true",
                        help="with --reuse-from: copy plain decoding's rows too (a rule added for its "
                             "quality alone; the rows decoded here then have no speedup)")
