@@ -25,15 +25,20 @@ PROMPTS = [
 def environment() -> dict:
     import transformers
 
-    cpu = platform.processor() or ""
+    cpu, flags = platform.processor() or "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not cpu:
                 cpu = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not flags:
+                # the vector units that decide which kernels run (AVX2 only, AVX-512, bf16, AMX)
+                have = set(line.split(":", 1)[1].split())
+                units = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+                flags = " ".join(f for f in units if f in have)
     except OSError:
         pass
-    return {"cpu": cpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu, "cpu_flags": flags, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 

@@ -23,7 +23,8 @@ def test_generate_several_prompts_equals_each_alone(draft):
         alone = verispec.generate(prompt, draft=draft, rule=rule, seed=5 + i, max_new_tokens=24)
         assert result.token_ids == alone.token_ids
         assert result.stats["acceptance_rate"] == pytest.approx(alone.stats["acceptance_rate"], nan_ok=True)
-        assert result.stats["mean_tv"] == pytest.approx(alone.stats["mean_tv"], rel=1e-5, abs=1e-7)
+        # per-token rounding of batched matmuls: the bound of tests/test_bench.py
+        assert abs(result.stats["mean_tv"] - alone.stats["mean_tv"]) <= 1e-5
     explicit = verispec.generate(PROMPTS[:2], draft=draft, seed=[7, 3], max_new_tokens=8)
     assert explicit[1].token_ids == verispec.generate(PROMPTS[1], draft=draft, seed=3,
                                                       max_new_tokens=8).token_ids

@@ -85,8 +85,12 @@ def bench_cmd(out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_sweep_results_do_not_depend_on_the_batch_size(tmp_path):
-    """Rows decoded 4 at a time equal rows decoded one by one: same units, same tokens; the per-step
-    statistics agree to float rounding (batched matmuls round differently: 1e-5 relative here)."""
+    """Rows decoded 4 at a time equal rows decoded one by one: same units, same tokens, same acceptance;
+    the per-step statistics agree to float rounding. Bound: the two runs' float32 logits differ only by
+    the rounding of different GEMM shapes, a few float32 ulps of logits of size ~10, so a per-position
+    log-probability or shift term moves by ~1e-6 on any CPU (AVX-512 or AVX2 kernels alike); allowed:
+    1e-5 per position, i.e. 1e-5 on a per-token mean and n * 1e-5 on log_ratio, a sum over n tokens.
+    (A relative 1e-5 on log_ratio failed on another CPU: 0.1161186 vs 0.1161169, 1.7e-6 absolute.)"""
     results = {}
     for size in (1, 4):
         done = subprocess.run(bench_cmd(tmp_path / f"b{size}", "--batch-size", str(size), "--no-report"),
@@ -98,9 +102,13 @@ def test_sweep_results_do_not_depend_on_the_batch_size(tmp_path):
     for unit, one in results[1].items():
         four = results[4][unit]
         assert one["token_ids"] == four["token_ids"], unit
-        for key in ("mean_tv", "mean_kl", "log_ratio", "target_nll", "acceptance_rate"):
+        rates = one["acceptance_rate"], four["acceptance_rate"]
+        assert rates[0] == rates[1] or rates[0] != rates[0], (unit, rates)
+        n = len(one["token_ids"])
+        bounds = {"mean_tv": 1e-5, "mean_kl": 1e-5, "target_nll": 1e-5, "log_ratio": n * 1e-5}
+        for key, bound in bounds.items():
             a, b = one[key], four[key]
-            assert a == pytest.approx(b, rel=1e-5, abs=1e-6) or (a != a and b != b), (unit, key, a, b)
+            assert abs(a - b) <= bound or (a != a and b != b), (unit, key, a, b)
 
 
 def comparable(rows: list[dict]) -> dict:

@@ -216,7 +216,7 @@ def test_toy_batch_session_is_exact():
         assert torch.equal(logits, want)
 
 
-def test_propose_batch_equals_per_row_propose(target, draft):
+def test_propose_batch_equals_each_row_alone(target, draft):
     drafter = ModelDrafter(draft)
     drafter.start_batch()
     assert isinstance(drafter._batch, LeanBatchSession)
@@ -226,7 +226,9 @@ def test_propose_batch_equals_per_row_propose(target, draft):
     batched = drafter.propose_batch([0, 1, 2, 3], contexts, ks, sampling,
                                     [torch.Generator().manual_seed(100 + i) for i in range(4)])
     for i, (context, k) in enumerate(zip(contexts, ks)):
-        drafter.start()
-        tokens, probs = drafter.propose(context[None], k, sampling, torch.Generator().manual_seed(100 + i))
-        assert torch.equal(batched[i][0], tokens[0])
-        torch.testing.assert_close(batched[i][1], probs[0], rtol=0, atol=1e-5)
+        alone = ModelDrafter(draft)
+        alone.start_batch()
+        [(tokens, probs)] = alone.propose_batch([7], [context], [k], sampling,
+                                                [torch.Generator().manual_seed(100 + i)])
+        assert torch.equal(batched[i][0], tokens)
+        torch.testing.assert_close(batched[i][1], probs, rtol=0, atol=1e-5)

@@ -390,6 +390,7 @@ def test_response_text_leaves_out_the_end_of_sequence_token():
     """The text of a response that stopped at end-of-sequence does not end in the control token (the
     default tokenizer decodes it as '<|endoftext|>', Qwen's as '<|im_end|>'); token_ids keep it."""
     from verispec.api import response_text
+    from verispec.rules import parse as parse_rule
     from verispec.decode import Generation
     from verispec.models import load_model
 
@@ -397,7 +398,7 @@ def test_response_text_leaves_out_the_end_of_sequence_token():
     ids = tuple(model.encode("KING.\nGood")) + (model.eos_token_id,)
     assert model.decode(list(ids)).endswith("<|endoftext|>")
     gen = Generation(prompt_ids=(1,), token_ids=ids, blocks=(), steps=None, target_calls=1, draft_calls=0,
-                     seconds=0.0, finish="eos", rule="lossless")
+                     seconds=0.0, finish="eos", rule=parse_rule("lossless"))
     assert response_text(model, gen) == "KING.\nGood"
     from dataclasses import replace
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
-                             speculative_decode, speculative_decode_batch)
+from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 
@@ -56,7 +55,7 @@ def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = tor
         draft = default_draft(target)
     if isinstance(draft, str):
         return load_drafter(draft, target, device, dtype)
-    if hasattr(draft, "propose"):
+    if hasattr(draft, "propose_batch"):
         return draft
     check_compatible(target, draft)
     return ModelDrafter(draft)
@@ -165,7 +164,7 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
     if not (isinstance(target, str) or (hasattr(target, "session") and hasattr(target, "vocab_size"))):
         raise TypeError(f"target must be a model name/path str or a model object, "
                         f"got {type(target).__name__}")
-    if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose")
+    if not (draft is None or isinstance(draft, str) or hasattr(draft, "propose_batch")
             or (hasattr(draft, "session") and hasattr(draft, "vocab_size"))):
         raise TypeError(f"draft must be None, a spec str, a model or a drafter, got {type(draft).__name__}")
     parsed = parse(rule) if isinstance(rule, str) else rule
@@ -317,17 +316,8 @@ def generate(
     drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))
     prompt_ids = [encode_prompt(target_model, p, chat) for p in prompts]
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    if not several:  # one prompt: the batch-1 loop
-        if drafter is None:
-            gens = [autoregressive_decode(target_model, prompt_ids[0], config, generators[0])]
-        else:
-            gens = [speculative_decode(target_model, drafter, prompt_ids[0], rule, config, generators[0])]
-    elif drafter is None:
-        gens = autoregressive_decode_batch(target_model, prompt_ids, config, generators,
-                                           batch_size=batch_size)
-    else:
-        gens = speculative_decode_batch(target_model, drafter, prompt_ids, rule, config, generators,
-                                        batch_size=batch_size)
+    gens = decode_prompts(target_model, prompt_ids, generators, config, drafter,
+                          None if drafter is None else rule, batch_size=batch_size)
     results = [
         GenerateResult(text=response_text(target_model, gen), token_ids=list(gen.token_ids),
                        prompt_ids=ids, stats=gen.stats(max_new_tokens=max_new_tokens,

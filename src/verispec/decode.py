@@ -1,18 +1,21 @@
-"""The decode loop: speculative decoding with any verification rule, and plain decoding beside it.
+"""The decode engine: speculative decoding with any verification rule, and plain decoding beside it.
 
 One block (Leviathan et al. 2023, Algorithm 1): the drafter proposes k tokens from its processed
 distribution, the target scores all k+1 positions in **one** forward pass, the rule decides
 (`Rule.verify`), and the committed sequence grows by the accepted tokens plus one recovered or bonus
-token. Both model sessions hold KV caches that follow the committed sequence by cropping (see
+token. Model sessions hold KV caches that follow the committed sequence by cropping (see
 `verispec.models.base`). Sampling settings are applied identically to target and draft logits.
+
+`BatchDecoder` is the only decode loop: rows join and leave between blocks (continuous batching),
+and a single prompt is a batch of one. Plain decoding of the target (no drafter, no rule) is its
+own mode of the same loop. Each row draws from its own generator in a fixed order, so a row's
+tokens do not depend on the other rows (up to the float rounding of batched matmuls:
+docs/design.md, 'Token roles'). `decode_prompts` runs a list of prompts through it; the api,
+sweeps, the server and Ray workers all decode through this one class.
 
 Every emitted position is recorded with its exact shift statistics (`verispec.diagnostics.shift`):
 the rule's law of that token given its prefix is known in closed form, so the per-token
 log-likelihood ratio against the target is exact.
-
-Batched decoding (`BatchDecoder`, `speculative_decode_batch`, `autoregressive_decode_batch`) runs
-the same block for many rows at once over a `BatchSession`; each row draws from its own generator in
-the batch-1 order, so row i is token-identical to decoding prompt i alone with that generator.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +43,11 @@ class DecodeConfig:
     stop_at_eos: bool = True  # end at the first of the target's stop tokens (`stop_ids`)
     diagnostics: bool = True
     keep_probs: bool = False  # keep the full V-sized target/draft rows of every emitted position
+    # an extra stop condition, checked once per block: given every token the row has emitted so far
+    # (this block's included), the number of tokens to keep when the row must stop there (finish
+    # "stop"), else None. It must return None on every shorter prefix it was called on before (so a
+    # cut always falls inside the newest block), e.g. the end of the first code block of a reply.
+    stop_check: Callable[[list[int]], int | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
@@ -63,14 +72,21 @@ class Generation:
     target_calls: int
     draft_calls: int
     seconds: float
-    finish: str  # "eos" (a stop token: the last token), "length", or "cancelled" (`BatchDecoder.cancel`)
-    rule: str
+    # "eos" (a stop token: the last token), "stop" (DecodeConfig.stop_check), "length", or "cancelled"
+    # (`BatchDecoder.cancel`)
+    finish: str
+    rule: Rule | None  # the verification rule; None for plain decoding of the target
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
     # sampling of draft tokens), per-position diagnostics; the rest is the loop's own work
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     diagnostics_seconds: float = 0.0
+
+    @property
+    def rule_spec(self) -> str:
+        """The rule's spec string, or "plain" for plain decoding."""
+        return "plain" if self.rule is None else self.rule.spec
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +120,7 @@ class Generation:
         max_new_tokens, k)`, the object `verispec serve` returns with every response."""
         proposed = sum(b.proposed for b in self.blocks)
         out: dict[str, float | int | str | None] = {
-            "rule": self.rule,
+            "rule": self.rule_spec,
             "tokens": self.num_tokens,
             "proposed": proposed,
             "accepted": sum(b.accepted for b in self.blocks),
@@ -156,9 +172,7 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
       None for other rules, and its bound None when max_new_tokens is unknown and the response stopped
       early (its own length is not a valid n then).
     """
-    from verispec.rules import parse as parse_rule
-
-    rule = None if gen.rule == "plain" else parse_rule(gen.rule)
+    rule = gen.rule
     proposed = sum(b.proposed for b in gen.blocks)
     accepted = sum(b.accepted for b in gen.blocks)
     width = k if k is not None else max((b.proposed for b in gen.blocks), default=0)
@@ -181,7 +195,7 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
     steps = gen.steps
     n_steps = len(steps["tv"]) if steps else 0
     return {
-        "rule": gen.rule,
+        "rule": gen.rule_spec,
         "lossless": True if rule is None else bool(rule.lossless),
         "tokens": gen.num_tokens,
         "finish": gen.finish,
@@ -276,7 +290,7 @@ class _Recorder:
 
     FLUSH = 64
 
-    def __init__(self, rule: Rule, config: DecodeConfig):
+    def __init__(self, rule: Rule | None, config: DecodeConfig):
         self.rule, self.config = rule, config
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = (
@@ -315,125 +329,14 @@ class _Recorder:
         self.seconds += time.perf_counter() - start
 
 
-def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | str, config: DecodeConfig,
-                       generator: torch.Generator | None = None) -> Generation:
-    """Speculative decoding of one prompt (batch size 1)."""
-    rule = parse(rule) if isinstance(rule, str) else rule
-    if drafter.vocab_size != target.vocab_size:
-        raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
-                         f"({target.vocab_size})")
-    prompt = _as_prompt(prompt_ids)
-    _check_tokens(prompt, target.vocab_size)
-    check_context(target, prompt.shape[1], config.max_new_tokens, drafter)
-    sampling, stops = config.sampling, stop_ids(target) if config.stop_at_eos else frozenset()
-    session = target.session()
-    drafter.start()
-    record = _Recorder(rule, config)
-    blocks: list[Block] = []
-    calls0 = (_calls(target), _calls(drafter))
-    seq, new, finish = prompt, 0, "length"
-    target_seconds = draft_seconds = 0.0
-    start = time.perf_counter()
-    while new < config.max_new_tokens:
-        remaining = config.max_new_tokens - new
-        k = min(config.k, remaining - 1)  # a block emits up to k + 1 tokens
-        t0 = time.perf_counter()
-        if k > 0:
-            drafts, q = drafter.propose(seq, k, sampling, generator)  # [1, k'], [1, k', V] (k' <= k)
-        else:
-            drafts, q = seq[:, :0], torch.zeros(1, 0, target.vocab_size)
-        kk = drafts.shape[1]
-        t1 = time.perf_counter()
-        logits = session.logits_for(torch.cat([seq, drafts], 1), kk + 1)[0]  # [kk+1, V], one target pass
-        t2 = time.perf_counter()
-        draft_seconds += t1 - t0
-        target_seconds += t2 - t1
-        p = process(logits, sampling)  # [kk+1, V]
-        if kk:
-            uniforms = torch.rand((1, kk + 1), generator=generator, dtype=torch.float64)
-            # p and q come from `process` (validated logits, exact distributions): skip re-validation
-            result = rule.verify_with_uniforms(p[None], q.to(p.dtype), drafts, uniforms, validate=False)
-            n = int(result.num_accepted[0])
-            out = result.tokens[0, : n + 1]
-        else:
-            n = 0
-            out = sample_from(rule.bonus_law(p[:1]), torch.rand(1, generator=generator, dtype=torch.float64))
-        roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
-        keep = min(len(out), remaining)
-        stop = first_stop(out[:keep].tolist(), stops)
-        if stop is not None:
-            keep, finish = stop + 1, "eos"
-        record.add(logits[:keep], p[:keep], q[0, : min(kk, keep)], out[:keep], roles[:keep])
-        blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
-        seq = torch.cat([seq, out[None, :keep]], 1)
-        new += keep
-        if finish == "eos":
-            break
-    record.flush()
-    seconds = time.perf_counter() - start
-    return Generation(
-        prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
-        blocks=tuple(blocks), steps=record.steps, target_calls=_calls(target) - calls0[0],
-        draft_calls=_calls(drafter) - calls0[1], seconds=seconds, finish=finish, rule=rule.spec,
-        probs=record.probs, target_seconds=target_seconds, draft_seconds=draft_seconds,
-        diagnostics_seconds=record.seconds,
-    )
-
-
-def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfig,
-                          generator: torch.Generator | None = None) -> Generation:
-    """Plain decoding of the target with the same sampling settings: the baseline."""
-    prompt = _as_prompt(prompt_ids)
-    _check_tokens(prompt, target.vocab_size)
-    check_context(target, prompt.shape[1], config.max_new_tokens)
-    rule = parse("lossless")
-    stops = stop_ids(target) if config.stop_at_eos else frozenset()
-    session = target.session()
-    record = _Recorder(rule, config)
-    calls0 = _calls(target)
-    seq, finish = prompt, "length"
-    empty_q = torch.zeros(0, target.vocab_size)
-    target_seconds = 0.0
-    start = time.perf_counter()
-    for _ in range(config.max_new_tokens):
-        t0 = time.perf_counter()
-        logits = session.logits_for(seq, 1)[0]  # [1, V]
-        target_seconds += time.perf_counter() - t0
-        p = process(logits, config.sampling)  # [1, V]
-        tok = sample_from(p, torch.rand(1, generator=generator, dtype=torch.float64))  # [1]
-        record.add(logits, p, empty_q.to(p.dtype), tok, ["plain"])
-        seq = torch.cat([seq, tok[None]], 1)
-        if int(tok) in stops:
-            finish = "eos"
-            break
-    record.flush()
-    seconds = time.perf_counter() - start
-    n = seq.shape[1] - prompt.shape[1]
-    return Generation(
-        prompt_ids=tuple(prompt[0].tolist()), token_ids=tuple(seq[0, prompt.shape[1]:].tolist()),
-        blocks=tuple(Block(0, 0, 1) for _ in range(n)), steps=record.steps,
-        target_calls=_calls(target) - calls0, draft_calls=0, seconds=seconds, finish=finish, rule="plain",
-        probs=record.probs, target_seconds=target_seconds, diagnostics_seconds=record.seconds,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
-# batched decoding: many rows, each with its own length, generator and stopping point
-
-
-def _verify_rows(rule: Rule, p: Tensor, q: Tensor, drafts: Tensor,
-                 uniforms: Tensor) -> tuple[list[int], Tensor]:
-    """Verify ragged blocks in one call: p [B, K+1, V], q [B, K, V], drafts [B, K] (-1 padded after a
-    row's real drafts), uniforms [B, K+1]. Row i with k_i real drafts uses uniforms[i, :k_i] for them
-    and uniforms[i, k_i] for its recovered/bonus token (docs/design.md, 'Token roles'), so each row
-    gets exactly its batch-1 result. Returns num_accepted (a list) and tokens [B, K+1]."""
-    # p and q come from `process` (validated logits, exact distributions): skip re-validation
-    result = rule.verify_with_uniforms(p, q, drafts, uniforms, validate=False)
-    return result.num_accepted.tolist(), result.tokens
+# the engine: many rows, each with its own length, generator and stopping point (a batch of one too)
 
 
 def _pad_rows(flat: Tensor, lengths: list[int], width: int, fill: float | int = 0) -> Tensor:
     """Ragged rows concatenated, flat [sum(lengths), ...] -> [B, width, ...] padded with `fill`."""
+    if len(lengths) == 1 and lengths[0] == width:
+        return flat[None]  # [1, width, ...]: one row needs no padding
     out = flat.new_full((len(lengths), width, *flat.shape[1:]), fill)
     if flat.shape[0]:
         counts = torch.tensor(lengths)
@@ -462,32 +365,60 @@ class _Row:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
 
+    def cut(self, out: list[int]) -> tuple[int, str | None]:
+        """How many of a block's tokens `out` the row keeps, and why it finishes (None: it goes on):
+        the length limit, then the first stop token, then `DecodeConfig.stop_check`."""
+        keep = min(len(out), self.config.max_new_tokens - self.new)
+        finish = "length" if self.new + keep >= self.config.max_new_tokens else None
+        stop = first_stop(out[:keep], self.stops)
+        if stop is not None:
+            keep, finish = stop + 1, "eos"
+        check = self.config.stop_check
+        if check is not None:
+            emitted = self.seq[self.prompt.shape[0]:].tolist() + out[:keep]
+            end = check(emitted)
+            if end is not None:
+                if not self.new < end <= self.new + keep:
+                    raise ValueError(f"stop_check returned {end}: a cut must fall inside the newest block "
+                                     f"(tokens {self.new + 1}..{self.new + keep})")
+                if end < self.new + keep or finish != "eos":
+                    keep, finish = end - self.new, "stop"
+        return keep, finish
+
 
 class BatchDecoder:
-    """Continuous batching: rows join (`add`) and leave (finish, `cancel`) between blocks; `step` runs
-    one block for every active row.
+    """The decode engine. Continuous batching: rows join (`add`) and leave (finish, `cancel`) between
+    blocks; `step` runs one block for every active row. A single prompt is a batch of one.
 
-    Speculative (a drafter given) or plain (drafter None). One block for the active rows: the drafter
-    proposes k_i tokens per row (`propose_batch`), the target scores each row's k_i + 1 positions in
-    one `BatchSession.logits_for` call, the rule verifies all rows, and each row advances by its own
-    count. Each row draws its randomness from its own generator in exactly the order batch-1
-    `speculative_decode` / `autoregressive_decode` does, so a row's output does not depend on the
-    other rows (give every row its own generator: rows sharing one interleave their draws).
+    Two modes. Speculative (a drafter and a rule): the drafter proposes k_i tokens per row
+    (`propose_batch`), the target scores each row's k_i + 1 positions in one `BatchSession.logits_for`
+    call, the rule verifies all rows, and each row advances by its own count. Plain (no drafter, no
+    rule): one target pass per token, sampled from the processed target. Each row draws its
+    randomness from its own generator in a fixed order (per block: k_i draft draws, then k_i + 1
+    verification draws; plain: one draw per token), so a row's output does not depend on the other
+    rows (give every row its own generator: rows sharing one interleave their draws).
 
     One rule and one sampling setting per decoder (they are applied to all rows in batched ops);
-    per row: k, max_new_tokens, stop_at_eos, diagnostics and keep_probs (`add(config=...)`).
+    per row: k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
+    (`add(config=...)`).
 
-    A row's `Generation` is batch-1's: `seconds` is the wall time from its `add` to its finish;
-    `target_calls` / `draft_calls` count the (shared) passes the row took part in, and
-    `target_seconds` / `draft_seconds` the full time of those shared passes (attributed to every
-    row in them, so they add up to more than the wall time across rows).
+    A row's `seconds` is the wall time from its `add` to its finish; `target_calls` / `draft_calls`
+    count the (shared) passes the row took part in, and `target_seconds` / `draft_seconds` the full
+    time of those shared passes (attributed to every row in them, so they add up to more than the
+    wall time across rows).
     """
 
-    def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str = "lossless",
+    def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str | None = None,
                  config: DecodeConfig | None = None):
         self.config = config or DecodeConfig()
         self.plain = drafter is None
-        self.rule = parse("lossless") if self.plain else (parse(rule) if isinstance(rule, str) else rule)
+        rule = parse(rule) if isinstance(rule, str) else rule
+        if self.plain and rule is not None and not rule.lossless:
+            raise ValueError(f"plain decoding samples the target itself; rule '{rule.spec}' needs a "
+                             "drafter (give one, or no rule)")
+        if not self.plain and rule is None:
+            raise ValueError("speculative decoding needs a verification rule, e.g. 'lossless'")
+        self.rule: Rule | None = None if self.plain else rule
         if drafter is not None and drafter.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")
@@ -545,7 +476,8 @@ class BatchDecoder:
 
     # -- one block -------------------------------------------------------------------------------
     def _speculative_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
-        sampling = self.config.sampling
+        sampling, rule = self.config.sampling, self.rule
+        assert rule is not None
         ks = [min(r.config.k, r.config.max_new_tokens - r.new - 1) for r in rows]  # a block emits <= k + 1
         t0 = time.perf_counter()
         calls0 = _calls(self.drafter)
@@ -563,25 +495,19 @@ class BatchDecoder:
         p = _pad_rows(p_flat, lengths, k_max + 1)  # [B, K+1, V]
         q = _pad_rows(torch.cat([qi for _, qi in proposals]).to(p_flat.dtype), kks, k_max)  # [B, K, V]
         drafts = _pad_rows(torch.cat([d for d, _ in proposals]).long(), kks, k_max, -1)  # [B, K]
-        # each row's verification draws, from its own generator, shaped as batch-1 draws them
-        draws = [torch.rand((1, kk + 1), generator=g, dtype=torch.float64)[0] if kk
-                 else torch.rand(1, generator=g, dtype=torch.float64) for g, kk in zip(generators, kks)]
+        # each row's verification draws: k_i + 1 uniforms from its own generator
+        draws = [torch.rand(kk + 1, generator=g, dtype=torch.float64) for g, kk in zip(generators, kks)]
         uniforms = _pad_rows(torch.cat(draws), lengths, k_max + 1)  # [B, K+1]
-        num_accepted, tokens = _verify_rows(self.rule, p, q, drafts, uniforms)
-        token_lists = tokens.tolist()
+        # p and q come from `process` (validated logits, exact distributions): skip re-validation
+        result = rule.verify_with_uniforms(p, q, drafts, uniforms, validate=False)
+        num_accepted, token_lists = result.num_accepted.tolist(), result.tokens.tolist()
         p_rows = p_flat.split(lengths)  # per row [kk+1, V]
         ends = []
         for i, (row_id, r) in enumerate(zip(ids, rows)):
             kk, n = kks[i], num_accepted[i]
-            out = token_lists[i][: n + 1]
-            remaining = r.config.max_new_tokens - r.new
-            keep = min(len(out), remaining)
-            finish = None
-            stop = first_stop(out[:keep], r.stops)
-            if stop is not None:
-                keep, finish = stop + 1, "eos"
+            keep, finish = r.cut(token_lists[i][: n + 1])
             roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
-            kept = tokens[i, :keep]
+            kept = result.tokens[i, :keep]
             q_kept = proposals[i][1][: min(kk, keep)]
             r.record.add(logits[i][:keep], p_rows[i][:keep], q_kept, kept, roles[:keep])
             r.blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
@@ -591,8 +517,6 @@ class BatchDecoder:
             r.draft_calls += kk if drafted else 0
             r.target_seconds += t2 - t1
             r.draft_seconds += t1 - t0
-            if finish is None and r.new >= r.config.max_new_tokens:
-                finish = "length"
             if finish is not None:
                 ends.append((row_id, finish))
         return ends
@@ -607,16 +531,15 @@ class BatchDecoder:
         empty_q = p.new_zeros(0, p.shape[1])
         ends = []
         for i, (row_id, r, tok) in enumerate(zip(ids, rows, tokens.tolist())):
+            keep, finish = r.cut([tok])
             r.record.add(logits[i : i + 1], p[i : i + 1], empty_q, tokens[i : i + 1], ["plain"])
             r.seq = torch.cat([r.seq, tokens[i : i + 1]])
             r.new += 1
             r.blocks.append(Block(0, 0, 1))
             r.target_calls += 1
             r.target_seconds += seconds
-            if tok in r.stops:
-                ends.append((row_id, "eos"))
-            elif r.new >= r.config.max_new_tokens:
-                ends.append((row_id, "length"))
+            if finish is not None:
+                ends.append((row_id, finish))
         return ends
 
     def _finish(self, row: int, finish: str) -> Generation:
@@ -629,30 +552,37 @@ class BatchDecoder:
         return Generation(
             prompt_ids=tuple(r.prompt.tolist()), token_ids=tuple(r.seq[n0:].tolist()), blocks=tuple(r.blocks),
             steps=r.record.steps, target_calls=r.target_calls, draft_calls=r.draft_calls,
-            seconds=time.perf_counter() - r.start, finish=finish,
-            rule="plain" if self.plain else self.rule.spec,
+            seconds=time.perf_counter() - r.start, finish=finish, rule=self.rule,
             probs=r.record.probs, target_seconds=r.target_seconds, draft_seconds=r.draft_seconds,
             diagnostics_seconds=r.record.seconds,
         )
 
 
-def _run_batch(decoder: BatchDecoder, prompts, generators, batch_size: int | None = None) -> list[Generation]:
-    """Decode every prompt, at most `batch_size` rows at once (None: all); a finished row's place is
-    taken by the next prompt between blocks (continuous batching)."""
+def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequence[torch.Generator | None],
+                   config: DecodeConfig, drafter=None, rule: Rule | str | None = None,
+                   batch_size: int | None = None) -> list[Generation]:
+    """Decode every prompt through one `BatchDecoder`, at most `batch_size` rows at once (None: all); a
+    finished row's place is taken by the next prompt between blocks (continuous batching).
+
+    Speculative with a drafter and a rule, plain decoding of the target without (drafter None, rule
+    None or lossless). Row i draws from generators[i] only, so it equals decoding prompts[i] alone with
+    that generator (up to the rounding of batched matmuls). Every prompt is checked before any work."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (lists of token ids)")
     if len(generators) != len(prompts):
         raise ValueError(f"need one generator per prompt: {len(prompts)} prompts, "
                          f"{len(generators)} generators")
-    for i, prompt in enumerate(prompts):  # every row checked before any work: a bad row names itself
-        try:
-            check_context(decoder.target, len(_as_prompt(prompt)[0]), decoder.config.max_new_tokens,
-                          decoder.drafter)
-        except ValueError as err:
-            raise ValueError(f"prompt {i}: {err}") from None
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    decoder = BatchDecoder(target, drafter, rule, config)
+    for i, prompt in enumerate(prompts):  # every row checked before any work: a bad row names itself
+        try:
+            ids = _as_prompt(prompt)
+            _check_tokens(ids, target.vocab_size)
+            check_context(target, ids.shape[1], config.max_new_tokens, drafter)
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}" if len(prompts) > 1 else str(err)) from None
     waiting = list(zip(prompts, generators))
     limit = batch_size or len(waiting)
     ids: list[int] = []
@@ -665,17 +595,32 @@ def _run_batch(decoder: BatchDecoder, prompts, generators, batch_size: int | Non
     return [done[i] for i in ids]
 
 
+# Conveniences over `decode_prompts` (one engine; these only name the mode and the batch shape).
+
+
+def speculative_decode(target: LanguageModel, drafter, prompt_ids, rule: Rule | str, config: DecodeConfig,
+                       generator: torch.Generator | None = None) -> Generation:
+    """Speculative decoding of one prompt (a batch of one)."""
+    return decode_prompts(target, [prompt_ids], [generator], config, drafter, rule)[0]
+
+
+def autoregressive_decode(target: LanguageModel, prompt_ids, config: DecodeConfig,
+                          generator: torch.Generator | None = None) -> Generation:
+    """Plain decoding of the target with the same sampling settings (a batch of one): the baseline."""
+    return decode_prompts(target, [prompt_ids], [generator], config)[0]
+
+
 def speculative_decode_batch(target: LanguageModel, drafter, prompts: list[list[int]], rule: Rule | str,
                              config: DecodeConfig, generators: list[torch.Generator],
                              batch_size: int | None = None) -> list[Generation]:
-    """Speculative decoding of many prompts at once; row i equals `speculative_decode(target, drafter,
+    """Speculative decoding of many prompts; row i equals `speculative_decode(target, drafter,
     prompts[i], rule, config, generators[i])` (same draws from its own generator, in the same order)."""
-    return _run_batch(BatchDecoder(target, drafter, rule, config), prompts, generators, batch_size)
+    return decode_prompts(target, prompts, generators, config, drafter, rule, batch_size)
 
 
 def autoregressive_decode_batch(target: LanguageModel, prompts: list[list[int]], config: DecodeConfig,
                                 generators: list[torch.Generator], batch_size: int | None = None
                                 ) -> list[Generation]:
-    """Plain decoding of many prompts at once; row i equals `autoregressive_decode(target, prompts[i],
-    config, generators[i])`."""
-    return _run_batch(BatchDecoder(target, None, config=config), prompts, generators, batch_size)
+    """Plain decoding of many prompts; row i equals `autoregressive_decode(target, prompts[i], config,
+    generators[i])`."""
+    return decode_prompts(target, prompts, generators, config, batch_size=batch_size)

@@ -59,16 +59,18 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
     }
 
 
-def position_stats(rule: Rule, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor,
+def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor,
                    roles: list[str]) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
 
     target_probs [n, V]: the processed target at each emitted position; draft_probs [n, V]: the draft
     distribution at positions whose role is "accepted" or "recovered" (rows of other roles are
-    ignored); tokens [n]; roles: one of ROLES per position. Returns {field: list}, one entry per position.
+    ignored); tokens [n]; roles: one of ROLES per position; rule None for plain decoding (law p).
+    Returns {field: list}, one entry per position.
     """
-    if rule.lossless:
-        stats = _lossless_stats(target_probs, draft_probs, tokens, roles, rule.block_level)
+    if rule is None or rule.lossless:
+        block_level = rule is not None and rule.block_level
+        stats = _lossless_stats(target_probs, draft_probs, tokens, roles, block_level)
     else:
         p = renormalised_f64(target_probs)
         n = p.shape[0]

@@ -27,8 +27,7 @@ import torch
 from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
                                       results_file, scan_rows)
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
-from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
-                             speculative_decode, speculative_decode_batch)
+from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 
@@ -390,7 +389,7 @@ def work_units(units, done: set[str], spec: SweepSpec, batch_size: int) -> list[
 def warm_up(target, drafter, prompt_ids: list[int]) -> None:
     """One tiny decode, so the first timed unit does not pay one-off costs."""
     warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
-    speculative_decode(target, drafter, prompt_ids, "lossless", warm, torch.Generator().manual_seed(0))
+    decode_prompts(target, [prompt_ids], [torch.Generator().manual_seed(0)], warm, drafter, "lossless")
 
 
 def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members, config: RunConfig,
@@ -411,10 +410,10 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
                batch_size: int = 1, on_row=None, run: str = "") -> None:
     """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
 
-    Rows of one configuration are decoded together (`speculative_decode_batch`), and every
+    Rows of one configuration are decoded together (`decode.decode_prompts`), and every
     configuration runs on the same rows back to back, so speed is compared interleaved and at the same
-    batch size. Each row draws from its own generator, seeded by (seed, prompt index) as in batch-1
-    decoding, so its tokens do not depend on the batch it lands in (up to float rounding of different
+    batch size. Each row draws from its own generator, seeded by (seed, prompt index), so
+    its tokens do not depend on the batch it lands in (up to float rounding of different
     matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
     with ResultsFile(results_path) as store:
         work = work_units(units, store.done, spec, batch_size)
@@ -434,16 +433,12 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
 
 
 def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int) -> list[Generation]:
-    """The generations of one configuration on a batch of units (batch 1: the batch-1 loop)."""
+    """The generations of one configuration on a batch of units, decoded together."""
     sampling = SamplingConfig(temperature=config.temperature)
     generators = [torch.Generator().manual_seed(seed * 1_000_003 + index) for index, _, seed, _ in members]
     ids = [prompts[index] for index, _, _, _ in members]
     if config.rule == PLAIN:
-        decode = DecodeConfig(max_new_tokens=max_new, sampling=sampling)
-        if len(members) == 1:
-            return [autoregressive_decode(target, ids[0], decode, generators[0])]
-        return autoregressive_decode_batch(target, ids, decode, generators)
+        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling)
+        return decode_prompts(target, ids, generators, plain)
     decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling)
-    if len(members) == 1:
-        return [speculative_decode(target, drafter, ids[0], config.rule, decode, generators[0])]
-    return speculative_decode_batch(target, drafter, ids, config.rule, decode, generators)
+    return decode_prompts(target, ids, generators, decode, drafter, config.rule)

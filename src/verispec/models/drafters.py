@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.models.base import BatchSession, LanguageModel, Session, batch_session
+from verispec.models.base import BatchSession, LanguageModel, batch_session
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 
@@ -20,27 +20,7 @@ class ModelDrafter:
         self.model = model
         self.name = model.name
         self.vocab_size = model.vocab_size
-        self._session: Session | None = None
 
-    def start(self) -> None:
-        self._session = self.model.session()
-
-    def propose(self, context: Tensor, k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """context [1, L] -> draft tokens [1, k] and their draft distributions [1, k, V]."""
-        assert self._session is not None, "call start() first"
-        seq = context
-        tokens, probs = [], []
-        for _ in range(k):
-            logits = self._session.logits_for(seq, 1)[:, -1]  # [1, V]
-            q = process(logits, sampling)  # [1, V]
-            tok = sample_from(q, torch.rand(q.shape[0], generator=generator, dtype=torch.float64))  # [1]
-            tokens.append(tok)
-            probs.append(q)
-            seq = torch.cat([seq, tok[:, None]], 1)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
-
-    # -- batched: the same draws per row, in the same order, each row from its own generator --------
     def start_batch(self) -> None:
         self._batch: BatchSession = batch_session(self.model)
 
@@ -51,7 +31,7 @@ class ModelDrafter:
                       generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
         """Per row: context [L_i] -> (draft tokens [k_i], draft distributions [k_i, V]); one batched
         draft pass per draft position over the rows still drafting. Row i draws k_i uniforms from
-        generators[i], exactly as `propose` does for that row alone."""
+        generators[i], one per draft position, so its drafts do not depend on the other rows."""
         seqs = list(contexts)
         tokens: list[list[Tensor]] = [[] for _ in rows]
         probs: list[list[Tensor]] = [[] for _ in rows]
@@ -82,12 +62,9 @@ class NGramDrafter:
         self.vocab_size = vocab_size
         self.name = f"ngram:n={n}"
 
-    def start(self) -> None:
-        pass
-
-    def propose(self, context: Tensor, k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        seq = context[0]
+    def lookup(self, context: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """context [L] -> up to k draft tokens [k'] and their one-hot draft distributions [k', V]."""
+        seq = context
         length = seq.shape[0]
         found = seq.new_zeros(0)
         for size in range(min(self.n, length - 1), 0, -1):
@@ -99,10 +76,9 @@ class NGramDrafter:
                 start = int(hits[-1]) + size  # the most recent occurrence
                 found = seq[start : start + k]
                 break
-        tokens = found[None]  # [1, k'] with k' <= k
-        probs = torch.zeros(1, tokens.shape[1], self.vocab_size)
-        probs.scatter_(-1, tokens[..., None], 1.0)  # [1, k', V], one-hot
-        return tokens, probs
+        probs = torch.zeros(found.shape[0], self.vocab_size)
+        probs.scatter_(-1, found[:, None], 1.0)  # [k', V], one-hot
+        return found, probs
 
     def start_batch(self) -> None:
         pass
@@ -113,9 +89,5 @@ class NGramDrafter:
     def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int], sampling: SamplingConfig,
                       generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
         """Per row: (draft tokens [k_i'], one-hot draft distributions [k_i', V]), k_i' <= k_i (model-free)."""
-        out = []
-        for context, k in zip(contexts, ks):
-            tokens, probs = self.propose(context[None], k, sampling, None) if k > 0 else (
-                context[None, :0], torch.zeros(1, 0, self.vocab_size))
-            out.append((tokens[0], probs[0]))
-        return out
+        return [self.lookup(context, k) if k > 0 else (context[:0], torch.zeros(0, self.vocab_size))
+                for context, k in zip(contexts, ks)]

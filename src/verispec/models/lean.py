@@ -193,6 +193,16 @@ class LeanLlama:
 
     def forward(self, tokens: Tensor, cache: LeanCache) -> Tensor:
         """tokens [B, m] at positions cache.length .. +m -> logits [B, m, V] (float32); extends the cache."""
+        return self.logits(self.hidden(tokens, cache))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and head: hidden [..., d] -> logits [..., V] float32 on the CPU (rule maths run
+        there)."""
+        return self.head(self._rms(hidden, self.norm)).float().cpu()
+
+    def hidden(self, tokens: Tensor, cache) -> Tensor:
+        """tokens [B, m] at positions cache.length .. +m -> last hidden states [B, m, d]; extends the
+        cache (a `LeanCache`, or `_SlotView` of one row of a `LeanBatchCache`)."""
         b, m = tokens.shape
         start = cache.length
         end = start + m
@@ -221,7 +231,7 @@ class LeanLlama:
             gate, up = w["gate_up"](h).chunk(2, -1)
             x = x + w["down"](F.silu(gate) * up)
         cache.length = end
-        return self.head(self._rms(x, self.norm)).float().cpu()  # rule maths run on the CPU
+        return x
 
 
 class LeanCache:
@@ -326,6 +336,32 @@ class LeanBatchCache:
         self._free.append(slot)
 
 
+class _SlotView:
+    """One slot of a `LeanBatchCache` seen as a batch-1 `LeanCache`, so a batch of one row runs
+    `LeanLlama.hidden` (contiguous writes, no per-row RoPE gather or mask) on the batch cache."""
+
+    def __init__(self, cache: LeanBatchCache, slot: int):
+        self.cache, self.slot = cache, slot
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.lengths[self.slot])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.cache.lengths[self.slot] = value
+
+    def reserve(self, length: int) -> None:
+        self.cache.reserve(length)
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end, row = start + k.shape[2], slice(self.slot, self.slot + 1)
+        keys, values = self.cache.k[layer], self.cache.v[layer]  # [R, Hkv, capacity, hd]
+        keys[row, :, start:end] = k
+        values[row, :, start:end] = v
+        return keys[row, :, :end], values[row, :, :end]  # [1, Hkv, end, hd]
+
+
 def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor, cache: LeanBatchCache,
                   keep: Tensor | None = None) -> Tensor:
     """One forward pass over several cache slots, each row at its own position.
@@ -339,6 +375,9 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
     """
     b, m = tokens.shape
     dev = lean.device
+    if b == 1:  # one row: the batch-1 pass over its slot, logits only where wanted
+        x = lean.hidden(tokens, _SlotView(cache, int(slots[0])))[0]  # [m, d]
+        return lean.logits(x if keep is None else x[keep.to(dev)])  # [K, V]
     starts = cache.lengths[slots]  # [B]
     steps = torch.arange(m)
     positions = starts[:, None] + steps[None]  # [B, m], padded ones included
@@ -350,9 +389,6 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
     cos, sin = lean.cos[pos_dev][:, None], lean.sin[pos_dev][:, None]  # [B, 1, m, hd]
     keys_at = torch.arange(length)
     mask = (keys_at[None, None, :] <= positions[:, :, None])[:, None].to(dev)  # [B, 1, m, L]
-    single = b == 1  # one row: the same kernels as the batch-1 `forward` (same rounding, same tokens)
-    if single and m == 1:
-        mask = None  # every cached key is visible
     slot_dev = slots.to(dev)
     first = int(slots[0])
     packed = bool((slots == torch.arange(first, first + b)).all())  # a slice view instead of a gather
@@ -378,12 +414,7 @@ def forward_batch(lean: LeanLlama, tokens: Tensor, counts: Tensor, slots: Tensor
         x = x + w["down"](F.silu(gate) * up)
     cache.lengths[slots] = starts + counts
     x = x.reshape(b * m, -1)  # [B*m, d]
-    if keep is not None and not single:
-        x = x[keep.to(dev)]  # [K, d]
-    logits = lean.head(lean._rms(x[None], lean.norm))[0]  # [K, V] ([m, V] for one row, as `forward`)
-    if keep is not None and single:
-        logits = logits[keep.to(dev)]
-    return logits.float().cpu()
+    return lean.logits(x if keep is None else x[keep.to(dev)])  # [K, V]
 
 
 class LeanBatchSession:
