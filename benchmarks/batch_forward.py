@@ -1,7 +1,7 @@
 """Batched forward passes: the time of ONE lean forward pass over B rows vs B = 1.
 
     python benchmarks/batch_forward.py [--target default] [--context 128] [--reps 7]
-    python benchmarks/batch_forward.py --kernels     # the matmul kernel choice of lean._Linear
+    python benchmarks/batch_forward.py --kernels     # the matmul kernel choice of lean.Linear
 
 Each row holds `--context` tokens of play text (rows start at different offsets); a *decode step*
 feeds one new token per row, a *verification pass* 5 per row (k = 4 drafts + 1), through
@@ -29,11 +29,11 @@ SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 def kernels(reps: int) -> None:
     """x @ W^T (GEMV layout) vs oneDNN packed vs F.linear, by GEMM row count M = B*m."""
-    from verispec.models.lean import _Linear
+    from verispec.models.lean import Linear
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(1152, 384), (384, 384), (2048, 384), (384, 1024), (4096, 384)]  # qkv, o, gate_up, down, head
-    lins = [_Linear(torch.randn(*s, generator=gen) * 0.05) for s in shapes]
+    lins = [Linear(torch.randn(*s, generator=gen) * 0.05) for s in shapes]
     sizes = [1, 2, 4, 16, 64, 256]
     xs = {m: [torch.randn(m, lin.weight_t.shape[0], generator=gen) for lin in lins] for m in sizes}
     paths = {

@@ -1,7 +1,7 @@
 """fp32 vs bf16 matmul cost on this CPU, for the Qwen2.5-Coder-1.5B target's weight shapes.
 
 One transformer layer's projections (q/k/v fused, o, gate/up fused, down) plus the untied output head,
-through the lean backend's own kernel choice (`verispec.models.lean._Linear`: W^T GEMV for one row,
+through the lean backend's own kernel choice (`verispec.models.lean.Linear`: W^T GEMV for one row,
 oneDNN's packed GEMM above where it agrees with F.linear, else F.linear), for 1 and 5 new tokens
 (a plain step and a k = 4 verification pass). Random weights: the cost depends on shapes and dtype only.
 
@@ -20,7 +20,7 @@ import torch
 
 from common import environment
 
-from verispec.models.lean import _Linear
+from verispec.models.lean import Linear
 
 # Qwen2.5-Coder-1.5B: (in, out) of q/k/v fused, o_proj, gate/up fused, down_proj, lm_head
 SHAPES = [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)]
@@ -41,7 +41,7 @@ def main() -> None:
     print(environment(), "| bf16 instructions:", sorted(flags & {"avx512_bf16", "amx_bf16"}) or "none")
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
-        linears = [_Linear(torch.randn(o, i, dtype=dtype) * 0.02) for i, o in SHAPES]
+        linears = [Linear(torch.randn(o, i, dtype=dtype) * 0.02) for i, o in SHAPES]
         for m in (1, 5):
             xs = [torch.randn(1, m, i, dtype=dtype) for i, _ in SHAPES]  # [1, m, in]
             results[(dtype, m)] = sum(median_ms(lambda lin=lin, x=x: lin(x)) for lin, x in zip(linears, xs))

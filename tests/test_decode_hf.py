@@ -284,13 +284,13 @@ def test_default_tokenizer_round_trips_with_proper_spacing():
 def test_lean_linear_kernels_agree():
     """The three matmul paths of the lean backend (W^T GEMV, oneDNN prepacked, F.linear fallback)
     give the same result for single-token and multi-token inputs, with and without bias."""
-    from verispec.models.lean import _Linear
+    from verispec.models.lean import Linear
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 64, generator=gen)
     for bias in (None, torch.randn(96, generator=gen)):
-        fast = _Linear(weight, bias)
-        fallback = _Linear(weight, bias)
+        fast = Linear(weight, bias)
+        fallback = Linear(weight, bias)
         fallback.weight_t, fallback.weight, fallback.packed = None, weight, None
         for m in (1, 5):
             x = torch.randn(1, m, 64, generator=gen)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verispec.decode import DecodeConfig, Generation, decode_prompts
+from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 
@@ -39,15 +41,12 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_target(target, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    from verispec.models import load_model
-
     return load_model(target, device, dtype) if isinstance(target, str) else target
 
 
 def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """None / "none" -> no drafter (plain decoding); "auto" -> the target's default drafter
     (`verispec.models.default_draft`, the same the CLI uses); a spec string; a model; or a drafter object."""
-    from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter
 
     if draft is None or draft == "none":
         return None
@@ -73,10 +72,6 @@ def _is_int(value) -> bool:
     if isinstance(value, torch.Tensor):
         return (value.ndim == 0 and not value.is_floating_point() and not value.is_complex()
                 and value.dtype != torch.bool)
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(value, np.integer)
 
 
@@ -86,10 +81,6 @@ def _is_number(value) -> bool:
         return False
     if isinstance(value, (int, float)) or _is_int(value):
         return True
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(value, np.floating)
 
 

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import signal
 import sys
 import threading
 
+from verispec.api import as_dtype, check_device, generate, resolve_target
+from verispec.evaluation.ray_executor import RayExecutorError, RayOptions
+from verispec.evaluation.report import write_report
+from verispec.evaluation.store import SweepLockedError
+from verispec.evaluation.sweep import SweepSpec, run_sweep
+from verispec.models import default_draft
+from verispec.rules import names, rule_class
+from verispec.tables import markdown_table, text_table
+
 
 def catalogue_rows() -> list[dict[str, str]]:
-    from verispec.rules import names, rule_class
-
     return [rule_class(n).describe() for n in names()]
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
-    from verispec.tables import markdown_table, text_table
-
     rows = catalogue_rows()
     cols = list(rows[0]) if args.markdown else ["rule", "family", "lossless", "parameters", "source"]
     table = markdown_table if args.markdown else text_table
@@ -50,7 +57,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def json_safe(obj):
     """NaN -> null and +-inf -> "inf"/"-inf", recursively (strict JSON has neither)."""
-    import math
 
     if isinstance(obj, float) and not math.isfinite(obj):
         return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
@@ -62,10 +68,6 @@ def json_safe(obj):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import json
-
-    from verispec.api import as_dtype, check_device, generate, resolve_target
-
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
     # fails first, clearly, on a bad model
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))
@@ -100,7 +102,6 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 def print_report(results: str, html: str | None = None, markdown: bool = False,
                  columns: list[str] | None = None) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
-    from verispec.evaluation.report import write_report
 
     table, html_path = write_report(results, html, markdown, columns)
     print(table)
@@ -118,9 +119,6 @@ def _terminate(signum, frame) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from verispec.evaluation.sweep import SweepSpec, run_sweep
-    from verispec.models import default_draft
-
     draft = args.draft if args.draft is not None else default_draft(args.target)
     spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
@@ -130,8 +128,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ray_flags = {"--address": args.address, "--workers": args.workers, "--worker-cpus": args.worker_cpus,
                  "--max-restarts": args.max_restarts}
     if args.executor == "ray":
-        from verispec.evaluation.ray_executor import RayOptions
-
         ray_options = RayOptions(address=args.address, workers=args.workers,
                                  worker_cpus=1.0 if args.worker_cpus is None else args.worker_cpus,
                                  max_restarts=args.max_restarts or 0)
@@ -159,8 +155,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from verispec.evaluation.sweep import SweepSpec, run_sweep
-
     spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft", rules=DEMO_RULES,
                      temperatures=(1.0,), ks=(4,), seeds=(0, 1), limit=args.prompts, max_new_tokens=48)
     print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the "
@@ -344,9 +338,6 @@ def _message(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verispec.evaluation.ray_executor import RayExecutorError
-    from verispec.evaluation.store import SweepLockedError
-
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit:  # --help (0) or a usage error (2, already printed)

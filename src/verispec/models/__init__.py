@@ -21,6 +21,7 @@ import torch
 from verispec.models import qwen
 from verispec.models.base import CachedSession, LanguageModel, Session
 from verispec.models.drafters import ModelDrafter, NGramDrafter
+from verispec.models.hf import load_hf
 from verispec.models.toy import TabularModel
 from verispec.spec import Param, Registry, parse_params, split
 
@@ -85,7 +86,6 @@ def default_draft(target: object) -> str:
 @functools.lru_cache(maxsize=8)
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A named model or a local path -> HFModel (cached: loading twice returns the same object)."""
-    from verispec.models.hf import load_hf
 
     stop_tokens: tuple[str, ...] = ()
     if spec in MODELS:

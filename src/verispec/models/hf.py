@@ -15,9 +15,14 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
 from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from verispec.models import lean
 from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession
+from verispec.models.lean import SHARE_ABOVE, LeanBatchSession, LeanLlama, LeanSession
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +37,6 @@ class HFModel:
 
     def __init__(self, model, tokenizer, name: str, backend: str | None = None,
                  stop_tokens: tuple[str, ...] = ()):
-        from verispec.models import lean
-
         backend = backend or os.environ.get("VERISPEC_BACKEND", "auto")
         if backend not in ("auto", "lean", "hf"):
             raise ValueError(f"backend must be auto, lean or hf, got {backend!r}")
@@ -64,24 +67,18 @@ class HFModel:
         return sum(p.numel() for p in self.model.parameters())
 
     def _lean_model(self):
-        from verispec.models.lean import LeanLlama
-
         if self._lean is None:
             self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype)
         return self._lean
 
     def session(self):
         if self.backend == "lean":
-            from verispec.models.lean import LeanSession
-
             return LeanSession(self, self._lean_model())
         return HFSession(self)
 
     def batch_session(self) -> BatchSession:
         """Many rows in one forward pass (lean backend); row by row for transformers' own forward."""
         if self.backend == "lean":
-            from verispec.models.lean import LeanBatchSession
-
             return LeanBatchSession(self, self._lean_model())
         if not self._warned_rows:
             self._warned_rows = True
@@ -121,8 +118,6 @@ class HFModel:
 
 class HFSession(CachedSession):
     def __init__(self, owner: HFModel):
-        from transformers import DynamicCache
-
         super().__init__()
         self.owner = owner
         self.cache = DynamicCache(config=owner.model.config)
@@ -145,7 +140,6 @@ def weight_count(directory: Path) -> int | None:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open
 
     total = 0
     for file in files:
@@ -183,7 +177,6 @@ def check_memory(directory: Path, dtype: torch.dtype, device: str, name: str) ->
     skips the check (swap, or memory the kernel will reclaim)."""
     if torch.device(device).type != "cpu" or os.environ.get("VERISPEC_SKIP_MEMORY_CHECK") == "1":
         return
-    from verispec.models.lean import SHARE_ABOVE
 
     params, free = weight_count(directory), available_memory()
     if params is None or free is None:
@@ -239,8 +232,6 @@ def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None 
             stop_tokens: tuple[str, ...] = ()) -> HFModel:
     """Load a causal LM and its tokenizer from a local directory (optionally a GGUF file in it);
     `stop_tokens`: extra end-of-sequence tokens (see `stop_token_ids`)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

@@ -13,7 +13,7 @@ Matmuls: decoding reads every weight once per forward pass, so it is memory-boun
 decides the speed. Measured on this project's CPU (benchmarks/RESULTS.md): a single-token step is
 fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens (the
 verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
-reads the weights at a third of the bandwidth. `_Linear` keeps both layouts (2x weight memory) and
+reads the weights at a third of the bandwidth. `Linear` keeps both layouts (2x weight memory) and
 falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
 
 Batched decoding (`LeanBatchCache`, `forward_batch`, `LeanBatchSession`): many rows in one forward
@@ -50,7 +50,7 @@ def supports(model) -> bool:
             and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "pretraining_tp", 1) > 1)
 
 
-class _Linear:
+class Linear:
     """y = x W^T (+ b) for x [..., m, in], choosing the kernel by m (see the module docstring)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
@@ -96,7 +96,7 @@ class _Linear:
 SHARE_ABOVE = 500_000_000  # parameters; see `_alias`
 
 
-def _alias(param: torch.nn.Parameter, linear: _Linear, lo: int, hi: int) -> None:
+def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
     """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
     values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
     is 7 GB per copy, its 0.5B draft 2.5 GB: both must fit in 24 GB beside oneDNN's packed copies).
@@ -143,12 +143,12 @@ class LeanLlama:
             self.layers.append({
                 "norm_in": cast(layer.input_layernorm.weight),
                 "norm_post": cast(layer.post_attention_layernorm.weight),
-                "qkv": _Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                "qkv": Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
                                bias),
-                "o": _Linear(cast(att.o_proj.weight),
+                "o": Linear(cast(att.o_proj.weight),
                              None if att.o_proj.bias is None else cast(att.o_proj.bias)),
-                "gate_up": _Linear(cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
-                "down": _Linear(cast(mlp.down_proj.weight)),
+                "gate_up": Linear(cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
+                "down": Linear(cast(mlp.down_proj.weight)),
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
@@ -166,7 +166,7 @@ class LeanLlama:
             _alias(mlp.down_proj.weight, w["down"], 0, mlp.down_proj.weight.shape[0])
         self.norm = cast(inner.norm.weight)
         head = hf_model.get_output_embeddings().weight
-        self.head = _Linear(cast(head))
+        self.head = Linear(cast(head))
         if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
             _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]

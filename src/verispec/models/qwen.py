@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 MARKER = "verispec-source.json"
 # end-of-sequence tokens besides the tokenizer's <|im_end|>: the upstream generation_config.json
 # lists both ids (151645, 151643); the GGUF metadata keeps only the first
@@ -167,9 +171,6 @@ def converted_ok(directory: Path, source_sha256: str) -> bool:
 def convert_gguf(gguf: Path, dest: Path, source_sha256: str, card: str = "") -> Path:
     """Dequantise `gguf` with transformers and save it (bf16 safetensors, tokenizer, config) in `dest`,
     built in a temporary directory and renamed into place, with a marker recording each file's hash."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
