@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -22,3 +23,14 @@ def pytest_terminal_summary(terminalreporter):
             count = module.COUNT
             total = sum(count.values())
             terminalreporter.write_line(f"verispec fuzz: {total} generated inputs ({dict(count)})")
+
+
+# Whole modules that start a Ray instance (several seconds each, even when they refuse early) belong to the
+# full suite, not to the quick `pytest -m "not slow"` loop (README, 'For contributors').
+SLOW_MODULES = {"test_ray_sweep.py", "test_ray_serve.py", "test_ray_cluster.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -95,6 +95,7 @@ def test_report_counts_a_duplicated_unit_once_and_says_so(sweep_dir, tmp_path):
 # -- 2. context limits -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # decodes a 2048-token context on both backends
 @pytest.mark.parametrize("backend", ["lean", "hf"])
 def test_prompt_longer_than_the_context_is_refused_on_both_backends(pair, backend):
     from verispec.models.hf import HFModel
