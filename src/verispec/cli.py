@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from verispec import threads
 from verispec.api import as_dtype, check_device, generate, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError, RayOptions
 from verispec.evaluation.report import write_report
@@ -33,6 +34,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=str, default=None,
+                        help=f"torch threads (default: ${threads.ENV}, else the CPUs this process may use, "
+                             "at most the physical cores); a warning says when the machine's load makes "
+                             "that slower than one thread")
     parser.add_argument("--target", default="default",
                         help="named model (default, smollm2-135m) or local path")
     parser.add_argument("--draft", default=None,
@@ -343,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit:  # --help (0) or a usage error (2, already printed)
         return exit.code if isinstance(exit.code, int) else 2
     try:
+        if hasattr(args, "threads"):
+            count = threads.configure_threads(args.threads)
+            warning = threads.check_threads(count)
+            if warning:
+                print(f"verispec: warning: {warning}", file=sys.stderr)
         code = args.func(args)
         sys.stdout.flush()  # a block-buffered pipe's last write happens here, inside the handlers
         return code

@@ -1,0 +1,100 @@
+"""One torch thread setting for every entry point: `--threads`, else `$VERISPEC_THREADS`, else a default
+that does not oversubscribe the CPUs this process may run on.
+
+Decoding on a CPU is a chain of small matmuls; OpenMP threads that wait for a busy core spin against each
+other, so on a machine with other load two threads can run a request many times slower than one. The
+default is the number of CPUs this process may use (`os.sched_getaffinity`), at most the physical cores,
+and `check_threads` measures whether the chosen count is in fact faster than one thread right now.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "VERISPEC_THREADS"
+
+
+def physical_cores() -> int | None:
+    """Distinct (package, core) pairs in /proc/cpuinfo, or None where it does not say."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    cores, package = set(), None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            package = value.strip()
+        elif key == "core id":
+            cores.add((package, value.strip()))
+    return len(cores) or None
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on, at most the physical cores (hyperthreads add no matmul units)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = physical_cores()
+    return max(1, min(usable, cores) if cores else usable)
+
+
+def resolve_threads(threads: int | None = None) -> int:
+    """`threads` if given, else `$VERISPEC_THREADS`, else `default_threads()`; a clear error if invalid."""
+    source = "--threads"
+    if threads is None and os.environ.get(ENV, "").strip():
+        threads, source = os.environ[ENV].strip(), f"${ENV}"
+    if threads is None:
+        return default_threads()
+    try:
+        value = int(threads) if not isinstance(threads, bool) else None
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < 1 or str(threads).strip() != str(value):
+        raise ValueError(f"{source} must be a whole number of threads >= 1, got {threads!r}")
+    return value
+
+
+def configure_threads(threads: int | None = None) -> int:
+    """Resolve the thread count and set torch's intra-op threads to it; returns the count."""
+    count = resolve_threads(threads)
+    torch.set_num_threads(count)
+    return count
+
+
+def matmul_seconds(threads: int, repeats: int = 5) -> float:
+    """Median seconds of a decode-sized matmul ([8, 2048] @ [2048, 2048], float32) on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(8, 2048), torch.randn(2048, 2048)
+        a @ b  # warm the thread pool
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(4):
+                a @ b
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_threads(threads: int) -> str | None:
+    """Whether `threads` threads run a decode-sized matmul slower than one thread right now (the
+    machine's other load); the warning (also logged), or None."""
+    if threads <= 1:
+        return None
+    many, one = matmul_seconds(threads), matmul_seconds(1)
+    if many <= one:
+        return None
+    message = (f"with this machine's current load, {threads} torch threads ran a decode-sized matmul slower "
+               f"than 1 thread ({many * 1e3:.1f} ms vs {one * 1e3:.1f} ms): consider --threads 1 "
+               f"(or {ENV}=1)")
+    log.warning(message)
+    return message
