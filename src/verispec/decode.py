@@ -33,6 +33,7 @@ from verispec.models.base import LanguageModel, batch_session
 from verispec.rules import Rule, parse
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
+from verispec.speculation import AdaptivePolicy, RowAcceptance
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class DecodeConfig:
     # "stop"), else None. It must return None on every shorter prefix it was called on before (so a
     # cut always falls inside the newest block), e.g. the end of the first code block of a reply.
     stop_check: Callable[[list[int]], int | None] | None = field(default=None, compare=False)
+    # choose k per block and row from measured costs and the row's acceptance so far, and turn
+    # speculation off when it cannot pay (`verispec.speculation`); None: k drafts every block
+    policy: AdaptivePolicy | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
@@ -82,6 +86,8 @@ class Generation:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     diagnostics_seconds: float = 0.0
+    # with an adaptive policy: its costs, the k of each block and the blocks it turned speculation off
+    speculation: dict | None = None
 
     @property
     def rule_spec(self) -> str:
@@ -211,6 +217,7 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
         "log_ratio_per_token": gen.log_ratio / n_steps if n_steps else None,
         "certificate": certificate,
         "acceptance_per_position": positions,
+        "speculation": gen.speculation,
     }
 
 
@@ -364,6 +371,7 @@ class _Row:
     draft_calls: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
+    acceptance: RowAcceptance | None = None  # with an adaptive policy
 
     def cut(self, out: list[int]) -> tuple[int, str | None]:
         """How many of a block's tokens `out` the row keeps, and why it finishes (None: it goes on):
@@ -442,6 +450,8 @@ class BatchDecoder:
         if config.sampling != self.config.sampling:
             raise ValueError("every row of a BatchDecoder uses the decoder's sampling settings "
                              f"({self.config.sampling}), got {config.sampling}")
+        if config.policy != self.config.policy:
+            raise ValueError("every row of a BatchDecoder uses the decoder's speculation policy")
         prompt = _as_prompt(prompt_ids)[0]  # [L0]
         _check_tokens(prompt, self.target.vocab_size)
         check_context(self.target, prompt.shape[0], config.max_new_tokens, self.drafter)
@@ -449,7 +459,8 @@ class BatchDecoder:
         self._next_id += 1
         stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
-                               record=_Recorder(self.rule, config), start=time.perf_counter())
+                               record=_Recorder(self.rule, config), start=time.perf_counter(),
+                               acceptance=None if config.policy is None else RowAcceptance())
         return row
 
     def tokens(self, row: int) -> list[int]:
@@ -476,9 +487,20 @@ class BatchDecoder:
 
     # -- one block -------------------------------------------------------------------------------
     def _speculative_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
-        sampling, rule = self.config.sampling, self.rule
+        sampling, rule, policy = self.config.sampling, self.rule, self.config.policy
         assert rule is not None
-        ks = [min(r.config.k, r.config.max_new_tokens - r.new - 1) for r in rows]  # a block emits <= k + 1
+        if policy is None:
+            wanted = [r.config.k for r in rows]
+        else:  # each row's k from its own acceptance; then whether the batch's block pays at all
+            estimates = [r.acceptance.estimate for r in rows]
+            wanted = [policy.choose_k(a) for a in estimates]
+            off = policy.by_batch and any(wanted) and not policy.pays(estimates, wanted)
+            wanted = [0] * len(rows) if off else wanted
+            for r, k in zip(rows, wanted):
+                r.acceptance.choices.append(k)
+                r.acceptance.off += int(off)
+        # a block emits up to k + 1 tokens
+        ks = [min(k, r.config.max_new_tokens - r.new - 1) for k, r in zip(wanted, rows)]
         t0 = time.perf_counter()
         calls0 = _calls(self.drafter)
         generators = [r.generator for r in rows]
@@ -511,6 +533,8 @@ class BatchDecoder:
             q_kept = proposals[i][1][: min(kk, keep)]
             r.record.add(logits[i][:keep], p_rows[i][:keep], q_kept, kept, roles[:keep])
             r.blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
+            if r.acceptance is not None:
+                r.acceptance.update(kk, n)
             r.seq = torch.cat([r.seq, kept])
             r.new += keep
             r.target_calls += 1
@@ -554,8 +578,16 @@ class BatchDecoder:
             steps=r.record.steps, target_calls=r.target_calls, draft_calls=r.draft_calls,
             seconds=time.perf_counter() - r.start, finish=finish, rule=self.rule,
             probs=r.record.probs, target_seconds=r.target_seconds, draft_seconds=r.draft_seconds,
-            diagnostics_seconds=r.record.seconds,
+            diagnostics_seconds=r.record.seconds, speculation=self._speculation(r),
         )
+
+    def _speculation(self, r: _Row) -> dict | None:
+        policy, seen = self.config.policy, r.acceptance
+        if policy is None or seen is None:
+            return None
+        return {"policy": "adaptive", "k_max": policy.k_max, "by_batch": policy.by_batch,
+                "costs": policy.costs.summary(), "k_per_block": list(seen.choices), "blocks_off": seen.off,
+                "acceptance_estimate": seen.estimate}
 
 
 def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequence[torch.Generator | None],

@@ -1,0 +1,179 @@
+"""When speculation pays: measured pass costs, the expected length of a block, and the choice of k.
+
+Leviathan et al. 2023, sec. 3.4: with a per-position acceptance probability `a` and `k` drafts, a block
+emits `E(a, k) = (1 - a^(k+1)) / (1 - a)` tokens in expectation (accepted drafts plus the recovered or
+bonus token), and costs `k` draft steps plus one target pass over `k + 1` tokens. Plain decoding emits
+one token per one-token target pass. So with measured seconds `D` (one draft step) and `T(m)` (a target
+pass over m tokens per row), the seconds per token of a row are
+
+    k = 0:  T(1)                          (no drafts: one pass, one token)
+    k > 0:  (k * D + T(k + 1)) / E(a, k)
+
+and the best k minimises it (Leviathan et al.'s eq. 3 uses T(k + 1) = T(1), a target pass whose cost
+does not grow with its width; on a CPU it does, which is why the passes are measured, not assumed).
+
+In a batch, the rows share passes: a block of B rows costs `max_i k_i` draft steps and one target pass of
+width `max_i k_i + 1` at batch size B, and emits `sum_i E(a_i, k_i)` tokens; plain decoding emits B
+tokens per one-token pass at batch size B. When the block's tokens per second fall below plain
+decoding's, speculation does not pay at that batch size (vLLM turns speculation off above a fixed batch
+size, `speculative_disable_by_batch_size`; here the measured costs decide).
+
+A row's acceptance is estimated from its own blocks: each block makes `n` successful acceptance tests
+and, when it stops before its last draft, one failed test, so `a = (accepted + 1) / (tests + 2)` (a
+uniform prior). This changes only how many tokens are drafted, never how they are verified: each
+token's law given the decoder's state is the rule's, and the decode loop records it as usual.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.models.base import batch_session
+from verispec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds per batch size B: `target[B][m - 1]` a target pass over m tokens per row
+    (m = 1 .. k_max + 1), `draft[B]` one draft step (one token per row: pass, processing, sampling)."""
+
+    target: dict[int, tuple[float, ...]]
+    draft: dict[int, float]
+
+    def __post_init__(self) -> None:
+        if not self.target or set(self.target) != set(self.draft):
+            raise ValueError("costs need the same batch sizes for the target and the draft, at least one")
+        for b, row in self.target.items():
+            if not row or not all(math.isfinite(t) and t > 0 for t in row) or not self.draft[b] >= 0:
+                raise ValueError(f"costs at batch size {b} must be positive and finite seconds, got "
+                                 f"target {row}, draft {self.draft[b]}")
+
+    @property
+    def k_max(self) -> int:
+        return min(len(row) for row in self.target.values()) - 1
+
+    def at(self, batch: int) -> int:
+        """The measured batch size used for `batch` rows: the largest measured one not above it (else
+        the smallest)."""
+        sizes = sorted(self.target)
+        below = [b for b in sizes if b <= batch]
+        return below[-1] if below else sizes[0]
+
+    def summary(self) -> dict:
+        """c (draft step / one-token target step) and v(k) (a (k+1)-token pass / a one-token step) per
+        measured batch size: the two ratios of the issue tracker's and Leviathan et al.'s cost model."""
+        return {str(b): {"c": self.draft[b] / row[0], "v": [t / row[0] for t in row],
+                         "target_step_seconds": row[0]} for b, row in sorted(self.target.items())}
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(a, k) = (1 - a^(k+1)) / (1 - a): tokens a block of k drafts emits in expectation (k + 1 at a = 1)."""
+    if k == 0:
+        return 1.0
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def row_seconds_per_token(costs: Costs, acceptance: float, k: int, batch: int = 1) -> float:
+    """Seconds per emitted token of one row with k drafts per block, at batch size `batch`."""
+    b = costs.at(batch)
+    return (k * costs.draft[b] + costs.target[b][k]) / expected_tokens(acceptance, k)
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """Choose each row's k per block from its acceptance so far (costs at batch size 1, so a row's
+    choice does not depend on its neighbours), and, with `by_batch`, turn speculation off for a whole
+    block when plain decoding would emit more tokens per second at the batch's size."""
+
+    costs: Costs
+    k_max: int
+    by_batch: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k_max, int) or not 1 <= self.k_max <= self.costs.k_max:
+            raise ValueError(f"k_max must be between 1 and the measured {self.costs.k_max}, got {self.k_max}")
+
+    def choose_k(self, acceptance: float) -> int:
+        """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k)."""
+        return min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
+
+    def pays(self, acceptances: list[float], ks: list[int]) -> bool:
+        """Whether a block with these rows' k beats plain decoding's tokens per second at this batch size."""
+        batch, width = len(ks), max(ks, default=0)
+        if width == 0:
+            return False
+        b = self.costs.at(batch)
+        block = width * self.costs.draft[b] + self.costs.target[b][width]
+        tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks))
+        return tokens / block > batch / self.costs.target[b][0]
+
+
+@dataclass
+class RowAcceptance:
+    """A row's acceptance tests so far (see the module docstring)."""
+
+    accepted: int = 0
+    tests: int = 0
+    choices: list[int] = field(default_factory=list)  # the k of each block
+    off: int = 0  # blocks where speculation was turned off for the batch
+
+    @property
+    def estimate(self) -> float:
+        return (self.accepted + 1) / (self.tests + 2)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.tests += accepted + (1 if accepted < proposed else 0)
+
+
+def measure_costs(target, drafter, prompt_ids: list[int], k_max: int, batch_sizes: tuple[int, ...] = (1,),
+                  repeats: int = 3, sampling: SamplingConfig | None = None) -> Costs:
+    """Time the passes of a block on this machine, now: per batch size B, a target pass over m = 1 ..
+    k_max + 1 new tokens per row and one draft step, each the median of `repeats` runs after a warm-up,
+    on B copies of `prompt_ids` (the prompt itself is fed once, untimed). Pass costs are made
+    non-decreasing in the width (a dip below a narrower pass's time is measurement noise)."""
+    if not prompt_ids:
+        raise ValueError("measure_costs needs a non-empty prompt")
+    if not isinstance(k_max, int) or k_max < 1:
+        raise ValueError(f"k_max must be an integer >= 1, got {k_max!r}")
+    sampling = sampling or SamplingConfig()
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long)  # [L]
+    extra = prompt[-1:].repeat(k_max)  # [k_max]: any tokens do; the cost does not depend on their ids
+    target_costs, draft_costs = {}, {}
+    for b in batch_sizes:
+        rows = list(range(b))
+        session = batch_session(target)
+        session.logits_for(rows, [prompt] * b, [1] * b)  # prefill, untimed
+        widths = []
+        for m in range(1, k_max + 2):
+            seqs = [torch.cat([prompt, extra[: m - 1]])] * b  # the last prompt token + m - 1 more: m fed
+            widths.append(_median(lambda: session.logits_for(rows, seqs, [m] * b), repeats))
+        # a wider pass never costs less than a narrower one: a measured dip is noise, not a kernel
+        widths = [max(widths[: i + 1]) for i in range(len(widths))]
+        for row in rows:
+            session.release(row)
+        drafter.start_batch()
+        generators = [torch.Generator().manual_seed(i) for i in rows]
+        contexts, ones = [prompt] * b, [1] * b
+        drafter.propose_batch(rows, contexts, ones, sampling, generators)  # prefill
+        step = _median(lambda: drafter.propose_batch(rows, contexts, ones, sampling, generators), repeats)
+        for row in rows:
+            drafter.release(row)
+        target_costs[b], draft_costs[b] = tuple(widths), step
+    return Costs(target_costs, draft_costs)
+
+
+def _median(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

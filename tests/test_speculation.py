@@ -1,0 +1,115 @@
+"""Adaptive speculation (verispec.speculation): the cost model's arithmetic, the choice of k, and that
+choosing k from the past never changes the law of what is emitted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stats import chisquare_pvalue
+from streams import joint_law
+from test_decode_toy import V, as_vector, law_fn, toy_pair
+from verispec.decode import DecodeConfig, decode_prompts
+from verispec.models import ModelDrafter, load_drafter, load_model
+from verispec.sampling import SamplingConfig
+from verispec.speculation import AdaptivePolicy, Costs, RowAcceptance, expected_tokens, measure_costs
+
+# hand-made costs (seconds): at batch 1 a wider pass costs a little more and drafts are cheap, so the
+# best k grows with the acceptance; from batch 4 on a wide pass is expensive and speculation cannot pay
+COSTS = Costs(target={1: (1.0, 1.2, 1.4), 4: (1.0, 3.0, 5.0)}, draft={1: 0.1, 4: 0.1})
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    for a in (0.0, 0.3, 0.75, 1.0):
+        for k in range(5):
+            assert expected_tokens(a, k) == pytest.approx(sum(a**j for j in range(k + 1)))
+
+
+def test_the_best_k_grows_with_the_acceptance():
+    policy = AdaptivePolicy(COSTS, k_max=2)
+    assert [policy.choose_k(a) for a in (0.1, 0.5, 0.95)] == [0, 1, 2]
+    # per token at a = 0.5: k=0 costs 1.0, k=1 (0.1 + 1.2) / 1.5 = 0.867, k=2 (0.2 + 1.4) / 1.75 = 0.914
+    assert policy.choose_k(0.5) == 1
+    assert policy.pays([0.5], [1])  # batch 1: 1.5 tokens per 1.3 s beat 1 token per 1.0 s
+    assert not policy.pays([0.9] * 4, [2] * 4)  # batch 4: 4 * 2.71 tokens per 5.2 s < 4 per 1.0 s
+
+
+def test_acceptance_counts_tests_not_drafts():
+    seen = RowAcceptance()
+    seen.update(proposed=4, accepted=1)  # accepted one, rejected the second: 2 tests, 3rd and 4th untested
+    seen.update(proposed=2, accepted=2)  # both accepted: 2 tests
+    assert (seen.accepted, seen.tests) == (3, 4)
+    assert seen.estimate == pytest.approx(4 / 6)
+
+
+def test_bad_costs_and_policies_are_refused():
+    with pytest.raises(ValueError, match="positive and finite"):
+        Costs(target={1: (1.0, float("nan"))}, draft={1: 0.1})
+    with pytest.raises(ValueError, match="same batch sizes"):
+        Costs(target={1: (1.0, 1.2)}, draft={2: 0.1})
+    with pytest.raises(ValueError, match="k_max must be between 1 and the measured 2"):
+        AdaptivePolicy(COSTS, k_max=3)
+
+
+def adaptive_counts(rule: str, policy: AdaptivePolicy, runs: int, length: int) -> tuple[np.ndarray, list]:
+    target, draft = toy_pair()
+    config = DecodeConfig(k=2, max_new_tokens=length, diagnostics=False, policy=policy)
+    gens = decode_prompts(target, [[1]] * runs, [torch.Generator().manual_seed(i) for i in range(runs)],
+                          config, ModelDrafter(draft), rule, batch_size=500)
+    counts = np.zeros(V**length)
+    for g in gens:
+        counts[int(np.ravel_multi_index(g.token_ids, (V,) * length))] += 1
+    return counts, gens
+
+
+@pytest.mark.slow
+def test_choosing_k_from_the_past_keeps_a_lossless_rule_exact():
+    """k depends on the row's own acceptances so far, i.e. on the past only, so each block is still a
+    lossless block given its prefix: 3-token sequences follow the target's law (chi-square, 2000 rows).
+    Power: the same sampler with a lossy rule is told apart from the target at the same threshold."""
+    target, _ = toy_pair()
+    truth = as_vector(joint_law(law_fn(target, [1]), V, 3), 3)
+    policy = AdaptivePolicy(COSTS, k_max=2, by_batch=False)
+    counts, gens = adaptive_counts("lossless", policy, 2000, 3)
+    chosen = {k for g in gens for k in g.speculation["k_per_block"]}
+    assert {0, 1, 2} <= chosen  # the policy did vary k
+    assert chisquare_pvalue(counts, truth) > 1e-4
+    lossy, _ = adaptive_counts("lenience:l=0.3", policy, 2000, 3)
+    assert chisquare_pvalue(lossy, truth) < 1e-4
+
+
+def test_speculation_off_by_batch_is_plain_decoding_token_for_token():
+    """Where speculation cannot pay at the batch's size, every block drafts nothing and draws one token
+    from the target with one uniform: exactly plain decoding's draws, so the same tokens."""
+    target, draft = toy_pair()
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    policy = AdaptivePolicy(COSTS, k_max=2)
+    config = DecodeConfig(k=2, max_new_tokens=8, policy=policy)
+    spec = decode_prompts(target, [[1]] * 6, gens, config, ModelDrafter(draft), "lossless")
+    plain = decode_prompts(target, [[1]] * 6, [torch.Generator().manual_seed(i) for i in range(6)],
+                           DecodeConfig(max_new_tokens=8))
+    for s, p in zip(spec, plain):
+        assert s.token_ids == p.token_ids
+        assert s.speculation["blocks_off"] == len(s.blocks) and set(s.speculation["k_per_block"]) == {0}
+        assert s.stats()["verification"]["speculation"]["blocks_off"] == len(s.blocks)
+
+
+@pytest.mark.slow
+def test_measured_costs_on_the_default_pair_drive_greedy_exactly():
+    """Costs measured on this machine, whatever they are, change only how much is drafted: greedy
+    speculative decoding still gives plain greedy decoding's tokens."""
+    torch.set_num_threads(1)
+    target = load_model("default")
+    drafter = load_drafter("default-draft", target)
+    prompt = target.encode("KING.\nWhat says the queen?\n")
+    costs = measure_costs(target, drafter, prompt, k_max=3, batch_sizes=(1, 2), repeats=1)
+    assert set(costs.summary()) == {"1", "2"} and len(costs.target[1]) == 4
+    assert all(row == tuple(sorted(row)) for row in costs.target.values())
+    greedy = SamplingConfig(temperature=0.0)
+    config = DecodeConfig(k=3, max_new_tokens=24, sampling=greedy, policy=AdaptivePolicy(costs, 3))
+    prompts = [prompt, target.encode("ROMEO.\nBut soft")]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    spec = decode_prompts(target, prompts, gens, config, drafter, "lossless")
+    plain = decode_prompts(target, prompts, [None, None], DecodeConfig(max_new_tokens=24, sampling=greedy))
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
