@@ -13,6 +13,6 @@ from verispec.trees.rules import (FrontierLaw, TreeRule, TreeVerifyResult, block
 from verispec.trees.structure import (DraftShape, MultiDraft, TokenTree, TreeWidths, chain_tree, check_depth,
                                       parse_shape, sample_chains, topk_tree)
 
-__all__ = ["DraftShape", "FrontierLaw", "MultiDraft", "TokenTree", "TreeRule", "TreeVerifyResult", "TreeWidths",
-           "block_law", "chain_tree", "check_depth", "parse_shape", "parse_tree_rule", "sample_chains",
-           "step_laws", "topk_tree", "tree_rule_names", "verify_tree"]
+__all__ = ["DraftShape", "FrontierLaw", "MultiDraft", "TokenTree", "TreeRule", "TreeVerifyResult",
+           "TreeWidths", "block_law", "chain_tree", "check_depth", "parse_shape", "parse_tree_rule",
+           "sample_chains", "step_laws", "topk_tree", "tree_rule_names", "verify_tree"]

@@ -60,7 +60,7 @@ class TreeVerifyResult:
     recovered or bonus token; bonus: whether the last token is a bonus token (the path reached a leaf)."""
 
     nodes: tuple[int, ...]
-    tokens: Tensor
+    tokens: tuple[int, ...]
     bonus: bool
 
 
@@ -85,7 +85,8 @@ class TreeRule:
         """target_probs [V] at the frontier, candidate_tokens [m], proposal_probs [m, V] -> FrontierLaw."""
         raise NotImplementedError
 
-    def decide(self, law: FrontierLaw, target_probs: Tensor, candidate_tokens: Tensor, uniforms: Tensor) -> int:
+    def decide(self, law: FrontierLaw, target_probs: Tensor, candidate_tokens: Tensor,
+               uniforms: Tensor) -> int:
         """Index of the accepted candidate (or -1): the first j with uniforms[j] < accept_j."""
         hits = (uniforms < law.accept.to(torch.float64)).nonzero()
         return int(hits[0]) if hits.numel() else -1
@@ -258,7 +259,8 @@ class TreeSGLang(TreeRule):
         kept = target_probs.index_fill(0, candidate_tokens, 0.0)
         return FrontierLaw(accept, normalize(kept, target_probs))
 
-    def decide(self, law: FrontierLaw, target_probs: Tensor, candidate_tokens: Tensor, uniforms: Tensor) -> int:
+    def decide(self, law: FrontierLaw, target_probs: Tensor, candidate_tokens: Tensor,
+               uniforms: Tensor) -> int:
         """The kernel's own test, with uniforms[0] as the depth's coin."""
         t = self._thresholds(target_probs, candidate_tokens).to(torch.float64)
         hit = (uniforms[0] < t) | (target_probs[candidate_tokens] >= self.single)
@@ -319,7 +321,7 @@ def verify_tree(rule: TreeRule, tree: TokenTree, target_probs: Tensor, uniforms:
             j = rule.decide(law, p, tree.tokens[idx], uniforms[idx])
         if j < 0:
             last = sample_from(law.residual[None], uniforms[:1])[0]
-            tokens = torch.tensor([int(tree.tokens[n]) for n in accepted] + [int(last)])
+            tokens = tuple(int(tree.tokens[n]) for n in accepted) + (int(last),)
             return TreeVerifyResult(nodes=tuple(accepted), tokens=tokens, bonus=not candidates)
         node = candidates[j]
         accepted.append(node)

@@ -242,7 +242,8 @@ def topk_tree(widths: TreeWidths | Sequence[int], draft_fn: DraftFn) -> TokenTre
         if d == 0:
             rows.append(torch.zeros_like(q[0]))  # the root's row, never read
         if width > q.shape[-1]:
-            raise ValueError(f"tree width {width} at depth {d + 1} exceeds the vocabulary ({q.shape[-1]} tokens)")
+            raise ValueError(f"tree width {width} at depth {d + 1} exceeds the vocabulary "
+                             f"({q.shape[-1]} tokens)")
         top = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]  # [len(level), width]
         nxt = []
         for i, node in enumerate(level):
@@ -274,12 +275,14 @@ def chain_tree(chains: Tensor, draft_fn: DraftFn, replacement: bool = True) -> T
                      draft_probs=torch.stack(rows), proposal="iid" if replacement else "distinct")
 
 
-def sample_chains(n: int, depth: int, draft_fn: DraftFn, uniforms: Tensor, replacement: bool = True) -> Tensor:
+def sample_chains(n: int, depth: int, draft_fn: DraftFn, uniforms: Tensor,
+                  replacement: bool = True) -> Tensor:
     """n chains of `depth` tokens from the draft, by inverse-CDF sampling with uniforms [n, depth]:
     chain i's token j is drawn with uniforms[i, j] from q after its first j tokens. Without
     replacement the first tokens are drawn in chain order from q with the earlier ones removed."""
     if uniforms.shape != (n, depth):
-        raise ValueError(f"sample_chains needs uniforms [n, depth] = [{n}, {depth}], got {tuple(uniforms.shape)}")
+        raise ValueError(f"sample_chains needs uniforms [n, depth] = [{n}, {depth}], "
+                         f"got {tuple(uniforms.shape)}")
     chains = torch.zeros(n, depth, dtype=torch.long)
     for j in range(depth):
         q = draft_fn([tuple(chains[i, :j].tolist()) for i in range(n)])  # [n, V]
