@@ -22,9 +22,11 @@ import torch
 from stats import chisquare_pvalue
 from verispec.gates import eta_mask, min_p_mask
 from verispec.rules import parse
+from verispec.rules.hsd import hsd_levels
 from verispec.trees import (MultiDraft, TokenTree, TreeWidths, block_law, chain_tree, check_depth,
                             parse_shape, parse_tree_rule, sample_chains, step_laws, topk_tree, verify_tree)
 from verispec.trees.rules import FrontierLaw, TreeLossless, TreeSGLang
+from verispec.trees.traversal import traversal_block_law, traversal_verify
 
 LOSSY_SPECS = ["lenience:l=0.5", "speccascade:min_p=0.3", "typical:eps=0.2", "typical:eps=0.09,alpha=0.3",
                "sglang:single=0.9,acc=0.5", "sglang:single=0.3,acc=0.8"]
@@ -72,15 +74,20 @@ def sampled_trees(tables: Tables, ctx: tuple[int, ...], shape: MultiDraft):
             yield prob, chain_tree(torch.tensor(chains), tables.draft_fn(ctx), bool(shape.replacement))
 
 
+def law_of(rule, tree: TokenTree, rows: torch.Tensor) -> dict:
+    """The exact block law: a tree rule's `block_law`, or Traversal Verification's (rule "traversal")."""
+    return traversal_block_law(tree, rows) if rule == "traversal" else block_law(rule, tree, rows)
+
+
 def block_outcomes(rule, tables: Tables, ctx: tuple[int, ...], shape, as_if_sampled: bool = False) -> dict:
     if isinstance(shape, TreeWidths):
         tree = topk_tree(shape, tables.draft_fn(ctx))
         if as_if_sampled:  # the lossy variant: deterministic children verified with q as their proposal
             tree = dataclasses.replace(tree, proposal="iid")
-        return block_law(rule, tree, tables.target_rows(ctx, tree))
+        return law_of(rule, tree, tables.target_rows(ctx, tree))
     out: dict = {}
     for prob, tree in sampled_trees(tables, ctx, shape):
-        for seq, w in block_law(rule, tree, tables.target_rows(ctx, tree)).items():
+        for seq, w in law_of(rule, tree, tables.target_rows(ctx, tree)).items():
             out[seq] = out.get(seq, 0.0) + prob * w
     return out
 
@@ -115,10 +122,11 @@ TOPK_CASES = [(3, (2, 1), 4), (3, (2, 2), 4), (2, (2, 2, 2), 4), (4, (3, 1), 3),
 
 @pytest.mark.parametrize("v,widths,length", TOPK_CASES)
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1"])
+@pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1", "traversal"])
 def test_lossless_on_topk_trees_gives_the_target_stream(spec, v, widths, length, zeros):
     tables = Tables(v, seed=7 * v + len(widths), zeros=zeros)
-    law = stream_law(parse_tree_rule(spec), tables, TreeWidths(widths), length)
+    rule = "traversal" if spec == "traversal" else parse_tree_rule(spec)
+    law = stream_law(rule, tables, TreeWidths(widths), length)
     assert worst_gap(law, joint_law(tables, length)) < 1e-12
     assert abs(sum(law.values()) - 1) < 1e-12
 
@@ -126,10 +134,12 @@ def test_lossless_on_topk_trees_gives_the_target_stream(spec, v, widths, length,
 @pytest.mark.slow
 @pytest.mark.parametrize("v,n,depth,length,replacement", [
     (3, 2, 2, 3, 1), (3, 2, 2, 3, 0), (2, 3, 2, 4, 1), (3, 3, 1, 3, 1), (3, 3, 1, 3, 0), (4, 2, 1, 3, 1),
-    (4, 2, 1, 3, 0)])
-def test_lossless_on_sampled_chains_gives_the_target_stream(v, n, depth, length, replacement):
+    (4, 2, 1, 3, 0), (3, 1, 2, 4, 1)])
+@pytest.mark.parametrize("rule", ["lossless", "traversal"])
+def test_lossless_on_sampled_chains_gives_the_target_stream(rule, v, n, depth, length, replacement):
     tables = Tables(v, seed=3 * v + n)
-    law = stream_law(parse_tree_rule("lossless"), tables, MultiDraft(n, replacement, depth), length)
+    law = stream_law(rule if rule == "traversal" else parse_tree_rule(rule), tables,
+                     MultiDraft(n, replacement, depth), length)
     assert worst_gap(law, joint_law(tables, length)) < 1e-12
 
 
@@ -137,8 +147,9 @@ def test_lossless_on_sampled_chains_small():
     """The fast (non-slow) case of the test above: 2 i.i.d. and 2 distinct chains of 2 tokens, V = 2."""
     tables = Tables(2, seed=5)
     for replacement in (1, 0):
-        law = stream_law(parse_tree_rule("lossless"), tables, MultiDraft(2, replacement, 2), 3)
-        assert worst_gap(law, joint_law(tables, 3)) < 1e-12
+        for rule in (parse_tree_rule("lossless"), "traversal"):
+            law = stream_law(rule, tables, MultiDraft(2, replacement, 2), 3)
+            assert worst_gap(law, joint_law(tables, 3)) < 1e-12
 
 
 def test_draft_q_with_deterministic_children_is_lossy():
@@ -147,6 +158,28 @@ def test_draft_q_with_deterministic_children_is_lossy():
     tables = Tables(3, seed=21)
     law = stream_law(parse_tree_rule("lossless"), tables, TreeWidths((2, 1)), 4, as_if_sampled=True)
     assert worst_gap(law, joint_law(tables, 4)) > 1e-3
+
+
+def test_traversal_on_a_chain_is_block_verification():
+    """One chain: Traversal Verification's block law is hsd's (Sun et al. 2024 block verification)."""
+    rng = np.random.default_rng(4)
+    v, k = 4, 3
+    for _ in range(5):
+        p = torch.tensor(rng.dirichlet(np.full(v, 0.5), size=k + 1))  # [K+1, V]
+        q = torch.tensor(rng.dirichlet(np.full(v, 0.5), size=k))  # [K, V]
+        x = torch.tensor([int(torch.multinomial(q[j], 1)) for j in range(k)])
+        tree = chain_tree(x[None], lambda paths: q[[len(path) for path in paths]])
+        law = traversal_block_law(tree, p)  # tree node j+1 is x_j; its target row is p[j+1]
+        h, res = hsd_levels(p[None], q[None], x[None])
+        want, reach = {}, 1.0
+        for level in range(k, -1, -1):
+            dist = p[k] if level == k else res[0, level]
+            for tok in range(v):
+                key = tuple(x[:level].tolist()) + (tok,)
+                want[key] = want.get(key, 0.0) + reach * float(h[0, level]) * float(dist[tok])
+            reach *= 1 - float(h[0, level])
+        assert worst_gap(law, {s: w for s, w in want.items() if w > 0}) < 1e-12
+        assert worst_gap(want, law) < 1e-12
 
 
 # -- exact: greedy, and each lossy rule against an independent closed form --------------------------
@@ -269,7 +302,8 @@ def test_step_laws_compose_to_the_block_law():
 # -- chi-square: the sampling path against the exact block law -----------------------------------------
 
 ROWS = 8000
-CHI_CASES = [(spec, "topk") for spec in ALL_SPECS] + [("lossless", "iid"), ("lossless", "distinct")]
+CHI_CASES = ([(spec, "topk") for spec in ALL_SPECS] + [("lossless", "iid"), ("lossless", "distinct")]
+             + [("traversal", kind) for kind in ("topk", "iid", "distinct")])
 ALPHA = 1e-4 / (len(CHI_CASES) + 1)
 
 
@@ -289,7 +323,10 @@ def sample_counts(rule, tree, rows, seed: int = 0) -> dict:
     uniforms = torch.rand(ROWS, tree.size + 1, generator=gen, dtype=torch.float64)  # [ROWS, N+1]
     counts: dict = {}
     for u in uniforms:
-        seq = verify_tree(rule, tree, rows, u, validate=False).tokens
+        if rule == "traversal":
+            seq = traversal_verify(tree, rows, u).tokens
+        else:
+            seq = verify_tree(rule, tree, rows, u, validate=False).tokens
         counts[seq] = counts.get(seq, 0) + 1
     return counts
 
@@ -303,9 +340,9 @@ def fit(counts: dict, law: dict) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,proposal", CHI_CASES)
 def test_verify_tree_samples_the_block_law(spec, proposal):
-    rule = parse_tree_rule(spec)
+    rule = spec if spec == "traversal" else parse_tree_rule(spec)
     tree, rows = chi_tree(proposal)
-    law = block_law(rule, tree, rows)
+    law = law_of(rule, tree, rows)
     pvalue = fit(sample_counts(rule, tree, rows), law)
     assert pvalue > ALPHA, f"{spec} on a {proposal} tree: p-value {pvalue:.3g}"
 

@@ -12,7 +12,9 @@ from verispec.trees.rules import (FrontierLaw, TreeRule, TreeVerifyResult, block
                                   step_laws, tree_rule_names, verify_tree)
 from verispec.trees.structure import (DraftShape, MultiDraft, TokenTree, TreeWidths, chain_tree, check_depth,
                                       parse_shape, sample_chains, topk_tree)
+from verispec.trees.traversal import traversal_block_law, traversal_verify
 
 __all__ = ["DraftShape", "FrontierLaw", "MultiDraft", "TokenTree", "TreeRule", "TreeVerifyResult",
            "TreeWidths", "block_law", "chain_tree", "check_depth", "parse_shape", "parse_tree_rule",
-           "sample_chains", "step_laws", "topk_tree", "tree_rule_names", "verify_tree"]
+           "sample_chains", "step_laws", "topk_tree", "traversal_block_law", "traversal_verify",
+           "tree_rule_names", "verify_tree"]
