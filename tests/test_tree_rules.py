@@ -29,7 +29,8 @@ from verispec.trees.rules import FrontierLaw, TreeLossless, TreeSGLang
 from verispec.trees.traversal import traversal_block_law, traversal_verify
 
 LOSSY_SPECS = ["lenience:l=0.5", "speccascade:min_p=0.3", "typical:eps=0.2", "typical:eps=0.09,alpha=0.3",
-               "sglang:single=0.9,acc=0.5", "sglang:single=0.3,acc=0.8"]
+               "sglang:single=0.9,acc=0.5", "sglang:single=0.3,acc=0.8", "budget:tv=0.1",
+               "budget:tv=0.3,ratio=inf"]
 ALL_SPECS = ["lossless", "greedy", *LOSSY_SPECS]
 
 
@@ -122,7 +123,8 @@ TOPK_CASES = [(3, (2, 1), 4), (3, (2, 2), 4), (2, (2, 2, 2), 4), (4, (3, 1), 3),
 
 @pytest.mark.parametrize("v,widths,length", TOPK_CASES)
 @pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1", "traversal"])
+@pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1", "budget:tv=0",
+                                  "traversal"])
 def test_lossless_on_topk_trees_gives_the_target_stream(spec, v, widths, length, zeros):
     tables = Tables(v, seed=7 * v + len(widths), zeros=zeros)
     rule = "traversal" if spec == "traversal" else parse_tree_rule(spec)
@@ -230,7 +232,7 @@ def kernel_law(rule: TreeSGLang, p: torch.Tensor, tokens: torch.Tensor) -> torch
 
 def test_each_frontier_law_matches_an_independent_closed_form():
     for p, tokens in frontier_cases():
-        props = torch.zeros(len(tokens), 5, dtype=p.dtype)
+        props = torch.nn.functional.one_hot(tokens, 5).to(p.dtype)  # top-k children: one-hot proposals
         for spec in LOSSY_SPECS + ["greedy"]:
             rule = parse_tree_rule(spec)
             got = rule.frontier(p, tokens, props).emitted(tokens)
@@ -254,6 +256,18 @@ def test_each_frontier_law_matches_an_independent_closed_form():
                     w[t] = 0
                     w = w / w.sum() if w.sum() > 0 else w  # all V tried: the last was accepted (reach 0)
                 want += reach * w
+            elif spec.startswith("budget"):  # r: mass m from the other tokens to the candidates' room
+                inside = torch.zeros(5, dtype=torch.bool)
+                inside[tokens] = True
+                room = torch.where(inside, (torch.clamp(rule.ratio * p, max=1.0) - p).clamp_min(0), 0.0)
+                rest = torch.where(inside, 0.0, p)
+                m = min(rule.tv, float(room.sum()), float(rest.sum()))
+                want = p.clone()
+                if m > 0:
+                    want = p - m * rest / rest.sum() + m * room / room.sum()
+                assert 0.5 * float((got - p).abs().sum()) <= rule.tv + 1e-12
+                assert bool((got <= rule.ratio * p + 1e-12).all())
+                assert float(got[inside].sum()) == pytest.approx(float(p[inside].sum()) + m, abs=1e-12)
             else:
                 want = kernel_law(rule, p, tokens)
             assert torch.allclose(got, want, atol=1e-12), (spec, p, tokens, got, want)
@@ -437,7 +451,7 @@ def test_shapes_round_trip_and_limits():
 @pytest.mark.parametrize("spec,message", [
     ("lenience:l=0", "out of range"), ("lenience", "needs parameter"),
     ("sglang:single=0.5", "needs parameter"),
-    ("speccascade:min_p=2", "out of range"), ("budget:tv=0.1", "unknown tree rule"),
+    ("speccascade:min_p=2", "out of range"), ("hsd", "unknown tree rule"), ("budget:tv=2", "out of range"),
 ])
 def test_bad_tree_rules_are_refused(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -19,7 +19,8 @@ node's acceptance test, uniforms[0] for the final token (inverse-CDF, as the cha
 Rules (`parse_tree_rule`): `lossless` (recursive rejection sampling over siblings, SpecInfer, Miao
 et al. 2024; with each candidate's proposal law, one-hot for deterministic top-k children),
 `greedy`, `lenience:l=` (q taken as 1), `speccascade:min_p=`, `typical:eps=[,alpha=]` and
-`sglang:single=,acc=` (SGLang `tree_speculative_sampling_target_only`, one coin per depth).
+`sglang:single=,acc=` (SGLang `tree_speculative_sampling_target_only`, one coin per depth) and
+`budget:tv=[,ratio=]` (q taken as 1 on the candidates). Traversal Verification: `verispec.trees.traversal`.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from torch import Tensor
 
 from verispec.gates import eta_mask, min_p_mask
 from verispec.probability import check_probs, normalize, one_hot_argmax, sample_from
+from verispec.rules.budget import budget_target
 from verispec.spec import Param, Registry, check_ranges, parse_params, split
 from verispec.trees.structure import TokenTree
 
-__all__ = ["FrontierLaw", "TreeRule", "TreeVerifyResult", "block_law", "parse_tree_rule", "step_laws",
-           "tree_rule_names", "verify_tree"]
+__all__ = ["FrontierLaw", "TreeRule", "TreeVerifyResult", "block_law", "parse_tree_rule",
+           "recursive_rejection", "step_laws", "tree_rule_names", "verify_tree"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,17 @@ def _zero(w: Tensor, token: Tensor) -> Tensor:
     return normalize(w.index_fill(0, token.reshape(1), 0.0), w)
 
 
+def recursive_rejection(law: Tensor, candidate_tokens: Tensor, proposal_probs: Tensor) -> FrontierLaw:
+    """Lossless verification of the candidates against `law` [V] (docs/design.md, 'Trees'): accept
+    c_j with min(1, w(c_j) / r_j(c_j)), else w <- norm((w - r_j)+), from w = law; emits `law`."""
+    w = law
+    accept = []
+    for tok, r in zip(candidate_tokens, proposal_probs):
+        accept.append((w[tok] / r[tok]).clamp(max=1.0))  # r[tok] > 0: the candidate was proposed
+        w = normalize((w - r).clamp_min(0), w)
+    return FrontierLaw(torch.stack(accept) if accept else w.new_zeros(0), w)
+
+
 TREE_RULES: Registry[type[TreeRule]] = Registry("tree rule")
 
 
@@ -125,12 +138,7 @@ class TreeLossless(TreeRule):
         return True
 
     def frontier(self, target_probs: Tensor, candidate_tokens: Tensor, proposal_probs: Tensor) -> FrontierLaw:
-        w = target_probs
-        accept = []
-        for tok, r in zip(candidate_tokens, proposal_probs):
-            accept.append((w[tok] / r[tok]).clamp(max=1.0))  # r[tok] > 0: the candidate was proposed
-            w = normalize((w - r).clamp_min(0), w)
-        return FrontierLaw(torch.stack(accept) if accept else w.new_zeros(0), w)
+        return recursive_rejection(target_probs, candidate_tokens, proposal_probs)
 
 
 @_register
@@ -268,6 +276,37 @@ class TreeSGLang(TreeRule):
         return int(found[0]) if found.numel() else -1
 
 
+@_register
+@dataclass(frozen=True)
+class TreeBudget(TreeRule):
+    """`budget` on trees, q taken as 1 on the candidates: r = budget_target(p, 1_C) moves
+    m = min(tv, sum over candidates of (min(1, ratio*p) - p)+, p(not C)) from the other tokens
+    (in proportion to p) to the candidates (in proportion to their room), then verifies losslessly
+    against r, so emitted = r: TV(r, p) = m <= tv, r <= ratio * p. On top-k trees its acceptance
+    r(C) = p(C) + m is the largest any rule with those two constraints can have."""
+
+    name = "budget"
+    family = "bounded"
+    source = "verispec (docs/design.md, 'Trees'): budget with q taken as 1 on the candidates"
+    summary = "largest acceptance with TV <= tv per token and overshoot <= ratio"
+    params = (Param("tv", float, "0 <= tv <= 1 (0 = lossless)", lambda v: 0 <= v <= 1),
+              Param("ratio", float, "ratio >= 1 (may be inf)", lambda v: v >= 1 and not math.isnan(v)))
+    tv: float
+    ratio: float = 2.0
+
+    def lossless_for(self, proposal: str) -> bool:
+        return self.tv == 0 or self.ratio == 1
+
+    def target(self, target_probs: Tensor, candidate_tokens: Tensor) -> Tensor:
+        """r [V], the law the candidates are verified against."""
+        ones = torch.zeros_like(target_probs).index_fill(0, candidate_tokens, 1.0)  # q taken as 1 on C
+        return budget_target(target_probs, ones, self.tv, self.ratio)
+
+    def frontier(self, target_probs: Tensor, candidate_tokens: Tensor, proposal_probs: Tensor) -> FrontierLaw:
+        law = self.target(target_probs, candidate_tokens)
+        return recursive_rejection(law, candidate_tokens, proposal_probs)
+
+
 # ---------------------------------------------------------------------------------------------
 # registry and parsing
 
@@ -280,7 +319,8 @@ def parse_tree_rule(spec: str) -> TreeRule:
     """A tree rule from its spec string, e.g. `lossless`, `lenience:l=0.5`, `sglang:single=0.9,acc=0.5`."""
     name, args = split(spec, "tree rule", "lenience:l=0.5")
     cls = TREE_RULES.get(name)
-    required = tuple(p.key for p in cls.params if not (cls is TreeTypical and p.key == "alpha"))
+    optional = {TreeTypical: "alpha", TreeBudget: "ratio"}.get(cls)
+    required = tuple(p.key for p in cls.params if p.key != optional)
     return cls(**parse_params("tree rule", cls.name, args, cls.params, required))
 
 
