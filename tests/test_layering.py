@@ -33,6 +33,8 @@ def test_rules_never_import_diagnostics_models_or_decode():
                if m.split(".")[1] in ("diagnostics", "models", "decode", "sampling", "evaluation", "api",
                                       "cli")}
         assert not bad, f"{path.name} imports {bad}"
+    for path in (SRC / "rules").glob("*.py"):  # trees build on rules, never the reverse
+        assert not {m for m in verispec_imports(path) if m.startswith("verispec.trees")}, path.name
     assert {m.split(".")[1] for m in verispec_imports(SRC / "gates.py")} <= {"probability"}
 
 
