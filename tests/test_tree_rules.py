@@ -122,7 +122,7 @@ TOPK_CASES = [(3, (2, 1), 4), (3, (2, 2), 4), (2, (2, 2, 2), 4), (4, (3, 1), 3),
 
 
 @pytest.mark.parametrize("v,widths,length", TOPK_CASES)
-@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("zeros", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1", "budget:tv=0",
                                   "traversal"])
 def test_lossless_on_topk_trees_gives_the_target_stream(spec, v, widths, length, zeros):
