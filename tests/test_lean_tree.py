@@ -141,3 +141,30 @@ def test_compaction_keeps_only_the_accepted_path(lean):
         assert (got[b] - want).abs().max().item() <= TOL
     with pytest.raises(ValueError, match="not a root-to-node path"):
         compact_tree(cache, slots[:1], starts[:1], parents[None], [torch.tensor([0, 3])])
+
+
+@torch.no_grad()
+def test_batch_one_lean_cache(lean):
+    """The batch-1 session's LeanCache: same logits as causal paths, compaction, then `forward` continues."""
+    vocab = lean.embed.shape[0]
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(0, vocab, (12,), generator=gen)
+    tokens, parents = random_tree((2, 2), vocab, seed=12)  # M = 7
+    cache = LeanCache(lean)
+    lean.forward(prefix[None], cache)
+    logits = forward_tree(lean, tokens[None], parents[None], cache)[0]  # [M, V]
+    assert cache.length == prefix.shape[0] + tokens.shape[0]
+    for node in range(tokens.shape[0]):
+        want = causal_logits(lean, torch.cat([prefix, tokens[path_to(parents, node)]]))[-1]
+        assert (logits[node] - want).abs().max().item() <= TOL
+    keep = torch.tensor(path_to(parents, 6))  # nodes 0, 2, 6
+    compact_tree(cache, torch.tensor([0]), torch.tensor([prefix.shape[0]]), parents[None], [keep])
+    assert cache.length == prefix.shape[0] + 3
+    nxt = torch.randint(0, vocab, (1, 2), generator=gen)
+    got = lean.forward(nxt, cache)[0]  # [2, V]
+    want = causal_logits(lean, torch.cat([prefix, tokens[keep], nxt[0]]))[-2:]
+    assert (got - want).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="one length"):
+        two = LeanCache(lean, batch=2)
+        compact_tree(two, torch.arange(2), torch.zeros(2, dtype=torch.long), parents.expand(2, 7),
+                     [keep, keep[:2]])

@@ -1,7 +1,8 @@
 """Tree attention for the lean forward: one target pass scores every node of a token tree.
 
 docs/design.md, section 'Trees'. Row b feeds M tree nodes after its cached prefix (cache slot
-slots[b], prefix length L_b = cache.lengths[slots[b]]). parents[b, i] is -1 for a node attached
+slots[b] of a `LeanBatchCache`, prefix length L_b = cache.lengths[slots[b]]; or row b of the batch-1
+session's `LeanCache`, L_b = cache.length). parents[b, i] is -1 for a node attached
 directly to the prefix (the tree's root: the last committed token) and otherwise the index of an
 earlier node (parents[b, i] < i). Node i
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verispec.models.lean import LeanBatchCache, LeanLlama
+from verispec.models.lean import LeanBatchCache, LeanCache, LeanLlama
 
 __all__ = ["compact_tree", "forward_tree", "tree_ancestors"]
 
@@ -74,21 +75,34 @@ def _rope_at(lean: LeanLlama, positions: Tensor) -> tuple[Tensor, Tensor]:
     return emb.cos().to(lean.dtype), emb.sin().to(lean.dtype)
 
 
-def forward_tree(lean: LeanLlama, tokens: Tensor, parents: Tensor, cache: LeanBatchCache,
-                 slots: Tensor) -> Tensor:
+def _starts(cache: LeanBatchCache | LeanCache, slots: Tensor) -> Tensor:
+    """[B]: each row's cached prefix length (a `LeanCache` has one length for all its rows)."""
+    if isinstance(cache, LeanCache):
+        return torch.full(slots.shape, cache.length, dtype=torch.long)
+    return cache.lengths[slots]
+
+
+def forward_tree(lean: LeanLlama, tokens: Tensor, parents: Tensor, cache: LeanBatchCache | LeanCache,
+                 slots: Tensor | None = None) -> Tensor:
     """Score M tree nodes per row in one pass: tokens, parents [B, M] -> logits [B, M, V] float32 (CPU).
 
-    Row b's nodes go after the cached prefix of slot slots[b] (see the module docstring); its cache
-    length grows by M (every node's key/value stays until `compact_tree` keeps the accepted path).
-    Rows may be different trees of the same node count M (pad a smaller tree with nodes of parent -1:
-    nobody's ancestor, their logits are ignored)."""
+    Row b's nodes go after the cached prefix of slot slots[b] of a `LeanBatchCache` (see the module
+    docstring), or of row b of a `LeanCache` (the batch-1 session's cache; slots default to its rows);
+    the cache length grows by M (every node's key/value stays until `compact_tree` keeps the accepted
+    path). Rows may be different trees of the same node count M (pad a smaller tree with nodes of
+    parent -1: nobody's ancestor, their logits are ignored)."""
+    if slots is None:
+        slots = torch.arange(tokens.shape[0] if tokens.ndim == 2 else 0)
     if tokens.shape != parents.shape or tokens.ndim != 2 or slots.shape != tokens.shape[:1]:
         raise ValueError(f"forward_tree needs tokens [B, M], parents [B, M] and slots [B], got "
                          f"{tuple(tokens.shape)}, {tuple(parents.shape)}, {tuple(slots.shape)}")
+    if isinstance(cache, LeanCache) and not torch.equal(slots, torch.arange(cache.batch)):
+        raise ValueError(f"a LeanCache holds {cache.batch} rows that share one length: feed all of them, "
+                         "in order (slots = 0 .. B-1)")
     b, m = tokens.shape
     dev = lean.device
     ancestors, depths = tree_ancestors(parents.cpu())
-    starts = cache.lengths[slots]  # [B]
+    starts = _starts(cache, slots)  # [B]
     positions = starts[:, None] + depths  # [B, M] RoPE positions
     stores = starts[:, None] + torch.arange(m)[None]  # [B, M] cache positions
     length = int(stores[:, -1].max()) + 1
@@ -122,11 +136,21 @@ def forward_tree(lean: LeanLlama, tokens: Tensor, parents: Tensor, cache: LeanBa
         h = _rms(lean, x, w["norm_post"])
         gate, up = w["gate_up"](h).chunk(2, -1)
         x = x + w["down"](F.silu(gate) * up)
-    cache.lengths[slots] = starts + m
+    _set_lengths(cache, slots, starts + m)
     return lean.head(_rms(lean, x, lean.norm)).float().cpu()  # [B, M, V]
 
 
-def compact_tree(cache: LeanBatchCache, slots: Tensor, starts: Tensor, parents: Tensor,
+def _set_lengths(cache: LeanBatchCache | LeanCache, slots: Tensor, lengths: Tensor) -> None:
+    if isinstance(cache, LeanCache):
+        if bool((lengths != lengths[0]).any()):
+            raise ValueError("a LeanCache has one length for all its rows: keep paths of the same length in "
+                             "every row, or use a LeanBatchCache")
+        cache.length = int(lengths[0])
+    else:
+        cache.lengths[slots] = lengths
+
+
+def compact_tree(cache: LeanBatchCache | LeanCache, slots: Tensor, starts: Tensor, parents: Tensor,
                  keep: Sequence[Tensor]) -> None:
     """Keep only the accepted path of each row's tree in the cache.
 
@@ -136,6 +160,10 @@ def compact_tree(cache: LeanBatchCache, slots: Tensor, starts: Tensor, parents: 
     positions) and row b's length becomes starts[b] + len(keep[b]); the other nodes are rolled back."""
     if len(keep) != slots.shape[0] or starts.shape != slots.shape:
         raise ValueError("compact_tree needs one start and one kept path per slot")
+    lengths = starts + torch.tensor([int(path.numel()) for path in keep], dtype=torch.long)  # [B]
+    if isinstance(cache, LeanCache) and bool((lengths != lengths[0]).any()):
+        raise ValueError("a LeanCache has one length for all its rows: keep paths of the same length in "
+                         "every row, or use a LeanBatchCache")
     for b, path in enumerate(keep):
         path = path.to(torch.long).cpu()
         expected = torch.cat([torch.tensor([-1]), path[:-1]])  # [n]: each node's required parent
@@ -147,4 +175,4 @@ def compact_tree(cache: LeanBatchCache, slots: Tensor, starts: Tensor, parents: 
             for store in (cache.k, cache.v):
                 for layer in store:
                     layer[slot, :, start : start + n] = layer[slot, :, src.to(layer.device)]  # [Hkv, n, hd]
-        cache.lengths[slot] = start + n
+    _set_lengths(cache, slots, lengths)
