@@ -23,13 +23,19 @@ import torch
 from verispec.models import load_model
 from verispec.models.lean import LeanBatchCache, LeanCache, LeanLlama, forward_batch
 from verispec.models.lean_tree import compact_tree, forward_tree, tree_ancestors
+from verispec.trees import TreeWidths, parse_tree_rule, topk_tree, verify_tree
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def lean():
-    return LeanLlama(load_model("default").model)
+def target():
+    return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def lean(target):
+    return LeanLlama(target.model)
 
 
 def random_tree(widths: tuple[int, ...], vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,3 +174,47 @@ def test_batch_one_lean_cache(lean):
         two = LeanCache(lean, batch=2)
         compact_tree(two, torch.arange(2), torch.zeros(2, dtype=torch.long), parents.expand(2, 7),
                      [keep, keep[:2]])
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_greedy_tree_decoding_on_the_default_pair_is_plain_greedy(target, lean):
+    """End to end without the decode loop: top-k trees drafted by the default draft, one
+    `forward_tree` pass of the target per block, greedy tree verification, `compact_tree`; the tokens
+    must be the target's plain greedy decoding (argmax of step-by-step `forward`)."""
+    draft = LeanLlama(load_model("default-draft").model)
+    prompt = torch.tensor(target.encode("ROMEO: But soft, what light through yonder window breaks?"))
+    length = 40
+
+    plain, cache = prompt.clone(), LeanCache(lean)
+    logits = lean.forward(plain[None], cache)[0, -1]
+    for _ in range(length):
+        plain = torch.cat([plain, logits.argmax()[None]])
+        logits = lean.forward(plain[None, -1:], cache)[0, -1]
+
+    rule = parse_tree_rule("greedy")
+    shape = TreeWidths((3, 2, 1))
+    cache = LeanCache(lean)
+    lean.forward(prompt[None, :-1], cache)  # the cache holds every committed token but the last
+    out, blocks = prompt.clone(), 0
+    while out.shape[0] < prompt.shape[0] + length:
+        def draft_fn(paths):
+            rows = []
+            for path in paths:  # the draft's distribution after the committed tokens plus the path
+                seq = torch.cat([out, torch.tensor(path, dtype=torch.long)])
+                rows.append(torch.softmax(draft.forward(seq[None], LeanCache(draft))[0, -1].double(), -1))
+            return torch.stack(rows)  # [len(paths), V]
+
+        tree = topk_tree(shape, draft_fn)
+        tokens = tree.tokens.clone()
+        tokens[0] = out[-1]  # the root is the last committed token
+        start = torch.tensor([cache.length])
+        scores = forward_tree(lean, tokens[None], tree.parents[None], cache)[0]  # [M, V]
+        target_probs = torch.softmax(scores.double(), -1)
+        result = verify_tree(rule, tree, target_probs, torch.zeros(tree.size + 1, dtype=torch.float64))
+        compact_tree(cache, torch.tensor([0]), start, tree.parents[None], [torch.tensor([0, *result.nodes])])
+        out = torch.cat([out, torch.tensor(result.tokens)])
+        blocks += 1
+    print(f"greedy {shape.spec}: {out.shape[0] - prompt.shape[0]} tokens in {blocks} target passes")
+    assert torch.equal(out[: plain.shape[0]], plain)
+    assert blocks < length  # some drafted tokens were accepted
