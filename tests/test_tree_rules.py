@@ -145,6 +145,20 @@ def test_lossless_on_sampled_chains_gives_the_target_stream(rule, v, n, depth, l
     assert worst_gap(law, joint_law(tables, length)) < 1e-12
 
 
+@pytest.mark.parametrize("spec", ["lenience:l=1", "sglang:single=1,acc=1"])
+def test_one_hot_rules_on_sampled_chains(spec):
+    """`lossless_for` checked by enumeration: lenience at l = 1 is lossless on sampled trees too; sglang
+    at single = acc = 1 only without duplicate siblings (distinct first tokens)."""
+    rule, tables = parse_tree_rule(spec), Tables(3, seed=5)
+    for replacement in (1, 0):
+        law = stream_law(rule, tables, MultiDraft(2, replacement, 1), 3)
+        gap = worst_gap(law, joint_law(tables, 3))
+        if rule.lossless_for("iid" if replacement else "distinct"):
+            assert gap < 1e-12
+        else:
+            assert gap > 1e-3
+
+
 def test_lossless_on_sampled_chains_small():
     """The fast (non-slow) case of the test above: 2 i.i.d. and 2 distinct chains of 2 tokens, V = 2."""
     tables = Tables(2, seed=5)
@@ -380,6 +394,23 @@ def test_power_broken_sampling_fails():
     assert pvalue < ALPHA, pvalue
 
 
+def test_accepted_nodes_form_a_path_of_the_tree():
+    """With unmerged chains sharing a prefix, the reported nodes are still parent -> child (for the
+    cache compaction), and their tokens are the emitted ones."""
+    tree, rows = chi_tree("iid")  # chains 0 and 1 share their first token
+    rule = parse_tree_rule("lossless")
+    gen = torch.Generator().manual_seed(2)
+    depths_seen = set()
+    for _ in range(300):
+        result = verify_tree(rule, tree, rows, torch.rand(tree.size + 1, generator=gen, dtype=torch.float64))
+        nodes = result.nodes
+        assert [int(tree.parents[n]) for n in nodes] == [0, *nodes[:-1]]
+        assert [int(tree.tokens[n]) for n in nodes] == list(result.tokens[:-1])
+        if len(nodes) == 2 and int(tree.tokens[nodes[0]]) == 1:
+            depths_seen.add(nodes[1])
+    assert {2, 4} <= depths_seen  # both chains below the shared first token were accepted at times
+
+
 def test_sampling_is_reproducible_and_uses_the_given_uniforms():
     tree, rows = chi_tree("topk")
     rule = parse_tree_rule("lenience:l=0.5")
@@ -446,6 +477,17 @@ def test_shapes_round_trip_and_limits():
     one_hot = lambda paths: torch.eye(3, dtype=torch.float64)[[0] * len(paths)]  # noqa: E731
     with pytest.raises(ValueError, match="without replacement"):
         sample_chains(2, 1, one_hot, torch.zeros(2, 1, dtype=torch.float64), replacement=False)
+
+
+def test_tree_rule_specs_round_trip_and_state_where_they_are_lossless():
+    for spec in ALL_SPECS + ["budget:tv=0", "lenience:l=1", "sglang:single=1,acc=1"]:
+        rule = parse_tree_rule(spec)
+        assert parse_tree_rule(rule.spec) == rule
+    kinds = ("topk", "iid", "distinct")
+    assert all(parse_tree_rule("lossless").lossless_for(k) for k in kinds)
+    assert all(parse_tree_rule("lenience:l=1").lossless_for(k) for k in kinds)
+    assert [parse_tree_rule("sglang:single=1,acc=1").lossless_for(k) for k in kinds] == [True, False, True]
+    assert not any(parse_tree_rule(s).lossless_for("topk") for s in LOSSY_SPECS + ["greedy"])
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -161,17 +161,18 @@ class TreeGreedy(TreeRule):
 @dataclass(frozen=True)
 class TreeLenience(TreeRule):
     """The founding paper's tree lenience, q taken as 1: accept c_j with min(1, w(c_j) / l), then
-    w <- norm(w with c_j zeroed) (w = p at first); lossless at l = 1 on top-k trees only."""
+    w <- norm(w with c_j zeroed) (w = p at first); lossless at l = 1 on every tree (given the tree each
+    candidate is a constant), but on sampled children it accepts less than `lossless`."""
 
     name = "lenience"
     family = "collaborative"
     source = "Leviathan et al. 2023, sec. 3.5 (lenience); tree form with q = 1"
     summary = "accept min(1, w(c)/l), w <- w without c"
-    params = (Param("l", float, "0 < l <= 1 (1 = lossless on top-k trees)", lambda v: 0 < v <= 1),)
+    params = (Param("l", float, "0 < l <= 1 (1 = lossless)", lambda v: 0 < v <= 1),)
     l: float  # noqa: E741 (the rule's public parameter name)
 
     def lossless_for(self, proposal: str) -> bool:
-        return self.l == 1 and proposal == "topk"
+        return self.l == 1
 
     def frontier(self, target_probs: Tensor, candidate_tokens: Tensor, proposal_probs: Tensor) -> FrontierLaw:
         w = target_probs
@@ -250,7 +251,8 @@ class TreeSGLang(TreeRule):
     acc: float
 
     def lossless_for(self, proposal: str) -> bool:
-        return self.single == 1 and self.acc == 1 and proposal == "topk"
+        """At single = acc = 1 with distinct siblings; i.i.d. duplicates count twice in the sum P_j."""
+        return self.single == 1 and self.acc == 1 and proposal in ("topk", "distinct")
 
     def _thresholds(self, target_probs: Tensor, candidate_tokens: Tensor) -> Tensor:
         return (target_probs[candidate_tokens].cumsum(0) / self.acc).clamp(max=1.0)  # [m]
@@ -362,7 +364,8 @@ def verify_tree(rule: TreeRule, tree: TokenTree, target_probs: Tensor, uniforms:
         if j < 0:
             last = sample_from(law.residual[None], uniforms[:1])[0]
             tokens = tuple(int(tree.tokens[n]) for n in accepted) + (int(last),)
-            return TreeVerifyResult(nodes=tuple(accepted), tokens=tokens, bonus=not candidates)
+            return TreeVerifyResult(nodes=tree.ancestry(accepted[-1]) if accepted else (), tokens=tokens,
+                                    bonus=not candidates)
         node = candidates[j]
         accepted.append(node)
         frontier = tree.same_path(frontier, int(tree.tokens[node]))

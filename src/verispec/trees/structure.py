@@ -108,6 +108,14 @@ class TokenTree:
             node = int(self.parents[node])
         return tuple(reversed(out))
 
+    def ancestry(self, node: int) -> tuple[int, ...]:
+        """Nodes from below the root down to `node` (each the parent of the next)."""
+        out = []
+        while node > 0:
+            out.append(node)
+            node = int(self.parents[node])
+        return tuple(reversed(out))
+
     def same_path(self, nodes: Sequence[int], token: int) -> list[int]:
         """The children of `nodes` carrying `token`: every node whose path is the frontier's path plus
         token (several only for unmerged sampled chains that share a prefix)."""
