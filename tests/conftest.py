@@ -15,6 +15,11 @@ settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None
 settings.register_profile("explore", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("VERISPEC_HYPOTHESIS", "ci"))
 
+# One torch thread in every process the tests start (CLI subprocesses, servers, workers): tiny models gain
+# nothing from more, a shared 2-core machine loses a lot, and the thread check stays quiet. Tests of the
+# default thread count remove it themselves.
+os.environ.setdefault("VERISPEC_THREADS", "1")
+
 
 def pytest_terminal_summary(terminalreporter):
     """Print the fuzz suite's input count (tests/test_fuzz.py) in the terminal summary."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verispec import defaults
 from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
 from verispec.rules import Rule, parse
@@ -48,9 +49,9 @@ def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = tor
     """None / "none" -> no drafter (plain decoding); "auto" -> the target's default drafter
     (`verispec.models.default_draft`, the same the CLI uses); a spec string; a model; or a drafter object."""
 
-    if draft is None or draft == "none":
+    if draft is None or draft == defaults.NO_DRAFT:
         return None
-    if draft == "auto":
+    if draft == defaults.AUTO_DRAFT:
         draft = default_draft(target)
     if isinstance(draft, str):
         return load_drafter(draft, target, device, dtype)
@@ -256,13 +257,13 @@ def _check_seeds(seed, count: int) -> list:
 
 def generate(
     prompt,
-    target="default",
-    draft="auto",
-    rule: str | Rule = "lossless",
+    target=defaults.TARGET,
+    draft=defaults.AUTO_DRAFT,
+    rule: str | Rule = defaults.RULE,
     *,
-    k: int = 4,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
+    k: int = defaults.K,
+    max_new_tokens: int = defaults.MAX_NEW_TOKENS,
+    temperature: float = defaults.TEMPERATURE,
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
@@ -273,7 +274,7 @@ def generate(
     device: str = "cpu",
     dtype: str | torch.dtype = "float32",
     draft_dtype: str | torch.dtype = "float32",
-    batch_size: int = 16,
+    batch_size: int = defaults.BATCH_SIZE,
 ) -> GenerateResult | list[GenerateResult]:
     """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None).
 

@@ -10,13 +10,12 @@ import signal
 import sys
 import threading
 
-from verispec import threads
+from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError, RayOptions
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SweepLockedError
 from verispec.evaluation.sweep import SweepSpec, run_sweep
-from verispec.models import default_draft
 from verispec.rules import names, rule_class
 from verispec.tables import markdown_table, text_table
 
@@ -38,12 +37,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"torch threads (default: ${threads.ENV}, else the CPUs this process may use, "
                              "at most the physical cores); a warning says when the machine's load makes "
                              "that slower than one thread")
-    parser.add_argument("--target", default="default",
+    parser.add_argument("--target", default=defaults.TARGET,
                         help="named model (default, smollm2-135m) or local path")
-    parser.add_argument("--draft", default=None,
-                        help="draft model name/path, self:layers=N, ngram:n=N, or none (default: the "
-                             "target's default draft: default-draft for the default target, "
-                             "self:layers=8 for smollm2-135m, ngram:n=3 for any other model)")
+    parser.add_argument("--draft", default=defaults.AUTO_DRAFT,
+                        help="draft model name/path, self:layers=N, ngram:n=N, none (plain decoding), or "
+                             "auto (default: the target's default draft: default-draft for the default "
+                             "target, self:layers=8 for smollm2-135m, ngram:n=3 for any other model)")
     parser.add_argument("--device", default="cpu",
                         help="where the models run (cpu, cuda); rule maths run on the CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -76,10 +75,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
     # fails first, clearly, on a bad model
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))
-    draft = args.draft if args.draft is not None else "auto"
     several = len(args.prompt) > 1
     results = generate(
-        args.prompt if several else args.prompt[0], target=target, draft=draft, rule=args.rule, k=args.k,
+        args.prompt if several else args.prompt[0], target=target, draft=args.draft, rule=args.rule, k=args.k,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, eta=args.eta, seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, batch_size=args.batch_size,
@@ -124,8 +122,7 @@ def _terminate(signum, frame) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    draft = args.draft if args.draft is not None else default_draft(args.target)
-    spec = SweepSpec(suite=args.suite, target=args.target, draft=draft, rules=tuple(args.rules),
+    spec = SweepSpec(suite=args.suite, target=args.target, draft=args.draft, rules=tuple(args.rules),
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
                      dtype=args.dtype, draft_dtype=args.draft_dtype)
@@ -218,14 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate with speculative decoding and print the text and stats")
     add_model_args(run)
-    run.add_argument("--rule", default="lossless",
+    run.add_argument("--rule", default=defaults.RULE,
                      help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
     run.add_argument("--prompt", required=True, action="append",
                      help="the prompt; repeat it for several prompts, decoded together "
                           "(prompt i uses seed + i)")
-    run.add_argument("--batch-size", type=int, default=16, help="rows decoded together with several prompts")
-    run.add_argument("--max-new-tokens", type=int, default=64)
-    run.add_argument("--k", type=int, default=4, help="draft tokens per block")
+    run.add_argument("--batch-size", type=int, default=defaults.BATCH_SIZE,
+                     help="rows decoded together with several prompts")
+    run.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
+    run.add_argument("--k", type=int, default=defaults.K, help="draft tokens per block")
     add_sampling_args(run)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

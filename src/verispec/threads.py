@@ -68,11 +68,12 @@ def configure_threads(threads: int | None = None) -> int:
 
 
 def matmul_seconds(threads: int, repeats: int = 5) -> float:
-    """Median seconds of a decode-sized matmul ([8, 2048] @ [2048, 2048], float32) on `threads` threads."""
+    """Median seconds of a decode-sized matmul ([8, 1024] @ [1024, 1024], float32, 4 times) on `threads`
+    threads: about 10 ms on one idle core of this project's machines."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(8, 2048), torch.randn(2048, 2048)
+        a, b = torch.randn(8, 1024), torch.randn(1024, 1024)
         a @ b  # warm the thread pool
         times = []
         for _ in range(repeats):

@@ -27,7 +27,9 @@ import torch
 from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
                                       results_file, scan_rows)
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
+from verispec import defaults
 from verispec.decode import DecodeConfig, Generation, decode_prompts
+from verispec.models import default_draft
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 
@@ -52,11 +54,11 @@ class RunConfig:
 @dataclass(frozen=True)
 class SweepSpec:
     suite: str = "shakespeare"
-    target: str = "default"
-    draft: str = "default-draft"
+    target: str = defaults.TARGET
+    draft: str = defaults.AUTO_DRAFT  # resolved to the target's default drafter by `resolved()`
     rules: tuple[str, ...] = ("lossless",)
     temperatures: tuple[float, ...] = (1.0,)
-    ks: tuple[int, ...] = (4,)
+    ks: tuple[int, ...] = (defaults.K,)
     seeds: tuple[int, ...] = (0,)
     limit: int | None = None  # number of prompts (None: the whole suite)
     max_new_tokens: int | None = None  # None: the suite's default
@@ -64,6 +66,13 @@ class SweepSpec:
     dtype: str = "float32"  # the target's compute dtype
     draft_dtype: str = "float32"
     backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
+
+    def resolved(self) -> SweepSpec:
+        """The spec with the draft named: "auto" becomes the target's default drafter (a sweep's rows and
+        unit keys always name the drafter that decoded them)."""
+        if self.draft != defaults.AUTO_DRAFT:
+            return self
+        return replace(self, draft=default_draft(self.target))
 
     def validate(self, device_here: bool = True) -> None:
         """Every setting checked (ValueError / TypeError naming it) before anything is written.
@@ -182,7 +191,7 @@ EXECUTORS = ("local", "ray")
 
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
-              batch_size: int = 1, executor: str = "local", ray_options=None,
+              batch_size: int = defaults.BATCH_SIZE, executor: str = "local", ray_options=None,
               on_row: Callable[[dict, tuple], None] | None = None,
               reuse_from: str | Path | Sequence[str | Path] | None = None, reuse_plain: bool = False) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
@@ -220,6 +229,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         raise ValueError("ray_options apply only to executor='ray'")
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
 
+    spec = spec.resolved()
     spec.validate(device_here=executor == "local")
     if executor == "ray":
         from verispec.evaluation.ray_executor import RayOptions, check_ray_spec, import_ray
