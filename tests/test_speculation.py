@@ -113,3 +113,19 @@ def test_measured_costs_on_the_default_pair_drive_greedy_exactly():
     spec = decode_prompts(target, prompts, gens, config, drafter, "lossless")
     plain = decode_prompts(target, prompts, [None, None], DecodeConfig(max_new_tokens=24, sampling=greedy))
     assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+
+
+@pytest.mark.slow
+def test_generate_with_k_auto_reports_its_choices_and_keeps_greedy():
+    import verispec
+
+    auto = verispec.generate(["KING.\nWhat", "ROMEO.\nBut"], k="auto", max_new_tokens=16, temperature=0.0)
+    plain = verispec.generate(["KING.\nWhat", "ROMEO.\nBut"], draft=None, max_new_tokens=16, temperature=0.0)
+    for a, p in zip(auto, plain):
+        assert a.token_ids == p.token_ids
+        spec = a.stats["verification"]["speculation"]
+        assert spec["policy"] == "adaptive" and set(spec["costs"]) == {"1", "2"}
+        assert len(spec["k_per_block"]) == len(a.generation.blocks)
+        assert all(0 <= k <= 8 for k in spec["k_per_block"])
+    with pytest.raises(TypeError, match="or 'auto'"):
+        verispec.generate("x", k="fast")

@@ -15,6 +15,7 @@ from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
+from verispec.speculation import AdaptivePolicy, measure_costs
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = tor
 
 
 MAX_SEED = 2**63 - 1
+AUTO_K = "auto"  # k chosen per block and row from measured costs (verispec.speculation)
+AUTO_K_MAX = 8  # the widest block k="auto" considers
 
 
 def _is_int(value) -> bool:
@@ -164,7 +167,10 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
         # plain decoding samples the target itself: a lossy rule would be silently ignored
         raise ValueError(f"rule {parsed.spec!r} needs a draft; draft=None decodes the target plainly "
                          "(give a draft, or a lossless rule)")
-    for name, value in (("k (draft tokens per block)", k), ("max_new_tokens", max_new_tokens)):
+    checked = [("max_new_tokens", max_new_tokens)]
+    if k != AUTO_K:
+        checked.insert(0, ("k (draft tokens per block, or 'auto')", k))
+    for name, value in checked:
         if not _is_int(value):
             raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
         if int(value) < 1:
@@ -286,6 +292,12 @@ def generate(
 
     draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
+    k="auto" measures the pair's pass costs on this machine first (`verispec.speculation.measure_costs`),
+    then chooses each row's k per block (0..8) from its acceptance so far and turns speculation off for a
+    block where plain decoding is faster at the batch's size; rules and laws are unchanged, each result's
+    `stats["verification"]["speculation"]` holds the costs and choices. Measured costs vary from run to
+    run, so k="auto" results are not token-reproducible from the seed alone (their law is the rule's).
+
     dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
     target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU.
 
@@ -301,12 +313,19 @@ def generate(
     seeds = [int(s) for s in seeds]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    k, max_new_tokens = int(k), int(max_new_tokens)
+    adaptive = k == AUTO_K
+    k, max_new_tokens = (AUTO_K_MAX if adaptive else int(k)), int(max_new_tokens)
     sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p, min_p=min_p, eta=eta)
-    config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics)
     target_model = resolve_target(target, device, as_dtype(dtype))
     drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))
     prompt_ids = [encode_prompt(target_model, p, chat) for p in prompts]
+    policy = None
+    if adaptive and drafter is not None:  # costs measured here, now, on the first prompt
+        sizes = tuple(sorted({1, min(batch_size, len(prompt_ids))}))
+        costs = measure_costs(target_model, drafter, prompt_ids[0], AUTO_K_MAX, sizes, sampling=sampling)
+        policy = AdaptivePolicy(costs, AUTO_K_MAX)
+    config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics,
+                          policy=policy)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     gens = decode_prompts(target_model, prompt_ids, generators, config, drafter,
                           None if drafter is None else rule, batch_size=batch_size)

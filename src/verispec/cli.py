@@ -20,6 +20,16 @@ from verispec.rules import names, rule_class
 from verispec.tables import markdown_table, text_table
 
 
+def k_arg(text: str) -> int | str:
+    """--k: a whole number of draft tokens, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}") from None
+
+
 def catalogue_rows() -> list[dict[str, str]]:
     return [rule_class(n).describe() for n in names()]
 
@@ -223,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=defaults.BATCH_SIZE,
                      help="rows decoded together with several prompts")
     run.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
-    run.add_argument("--k", type=int, default=defaults.K, help="draft tokens per block")
+    run.add_argument("--k", type=k_arg, default=defaults.K,
+                     help="draft tokens per block, or auto: chosen per block from measured costs "
+                          "(verispec.speculation)")
     add_sampling_args(run)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
