@@ -1,5 +1,6 @@
-"""Goals 1-3 and 6: verispec's decode loop against plain decoding and transformers' assisted
-generation, on one model pair, batch 1, measured side by side in one process.
+"""Batch-1 decoding speed of one model pair: verispec's engine (speculative, with and without its exact
+diagnostics, and plain) against transformers' `generate` with and without assisted generation, measured
+side by side in one process, with the cost model (t, c, v) that explains the ratios.
 
     python benchmarks/speed.py                      # default pair, 128 new tokens, 6 prompts x 5 rounds
     python benchmarks/speed.py --quick              # a 1-minute smoke run
