@@ -21,8 +21,20 @@ settings.load_profile(os.environ.get("VERISPEC_HYPOTHESIS", "ci"))
 os.environ.setdefault("VERISPEC_THREADS", "1")
 
 
+_SECONDS = {"quick": 0.0, "slow": 0.0}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each test's setup + call + teardown time, split by the slow marker."""
+    _SECONDS["slow" if "slow" in report.keywords else "quick"] += report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Print the fuzz suite's input count (tests/test_fuzz.py) in the terminal summary."""
+    """Print the time of the quick loop (`-m "not slow"`) and of the slow tests, and the fuzz suite's
+    input count (tests/test_fuzz.py), in the terminal summary: CI's log shows both budgets (README,
+    'For contributors')."""
+    terminalreporter.write_line(f"verispec test times: not slow {_SECONDS['quick']:.0f} s, "
+                                f"slow {_SECONDS['slow']:.0f} s (setup + call + teardown, summed)")
     for name, module in list(sys.modules.items()):
         if name.endswith("test_fuzz") and getattr(module, "COUNT", None):
             count = module.COUNT
