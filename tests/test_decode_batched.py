@@ -408,3 +408,19 @@ def test_a_row_beyond_the_context_is_refused_before_any_work():
     with pytest.raises(ValueError, match="context of 20 tokens"):
         decoder.add([0] * 13, torch.Generator())
     assert decoder.active == []
+
+
+def test_per_position_acceptance_has_vllms_semantics():
+    """rate = accepted at position j / blocks with drafts (vLLM's per-position rate, non-increasing in j);
+    rate_given_reached = accepted / blocks that drafted that far."""
+    from verispec.decode import Block, Generation, verification_report
+
+    blocks = (Block(4, 4, 5), Block(4, 1, 2), Block(2, 0, 1), Block(0, 0, 1))
+    gen = Generation(prompt_ids=(1,), token_ids=(1,) * 9, blocks=blocks, steps=None, target_calls=4,
+                     draft_calls=10, seconds=1.0, finish="length", rule=None)
+    positions = verification_report(gen, k=4)["acceptance_per_position"]
+    assert [p["drafts"] for p in positions] == [3] * 4
+    assert [p["reached"] for p in positions] == [3, 3, 2, 2]
+    assert [p["accepted"] for p in positions] == [2, 1, 1, 1]
+    assert [p["rate"] for p in positions] == [2 / 3, 1 / 3, 1 / 3, 1 / 3]
+    assert [p["rate_given_reached"] for p in positions] == [2 / 3, 1 / 3, 1 / 2, 1 / 2]

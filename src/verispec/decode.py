@@ -170,8 +170,11 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
       averaged over the response's tokens; max_overshoot: max law/p over them (docs/design.md,
       'Diagnostics'); log_ratio: the exact path-level log-likelihood ratio of the response against
       the target (docs/design.md, 'Rule anatomy'), and log_ratio_per_token. None without diagnostics;
-    - acceptance_per_position: for draft positions j = 1..k, blocks that reached position j
-      (proposed >= j), of which accepted there (accepted >= j), and the rate (None if never reached);
+    - acceptance_per_position: for draft positions j = 1..k: `drafts`, the blocks that proposed at
+      least one token; `reached`, the blocks that proposed a token at position j (proposed >= j);
+      `accepted`, the blocks that accepted it (accepted >= j); `rate` = accepted / drafts, vLLM's
+      per-position acceptance rate (it falls with j); `rate_given_reached` = accepted / reached, the
+      acceptance at j among blocks that drafted that far (None if none did);
     - certificate: for a `budget` rule, TV(response law, target's response law) <= n * tv with
       n = max_new_tokens (the maximum length: with a stop token, responses are padded to it;
       docs/design.md, 'Certificate'), and KL(law_t || p_t) <= log(1 + ratio * tv) per token;
@@ -182,12 +185,14 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
     proposed = sum(b.proposed for b in gen.blocks)
     accepted = sum(b.accepted for b in gen.blocks)
     width = k if k is not None else max((b.proposed for b in gen.blocks), default=0)
+    drafts = sum(1 for b in gen.blocks if b.proposed > 0)
     positions = []
     for j in range(1, width + 1):
         reached = sum(1 for b in gen.blocks if b.proposed >= j)
         hits = sum(1 for b in gen.blocks if b.accepted >= j)
-        positions.append({"position": j, "reached": reached, "accepted": hits,
-                          "rate": hits / reached if reached else None})
+        positions.append({"position": j, "drafts": drafts, "reached": reached, "accepted": hits,
+                          "rate": hits / drafts if drafts else None,
+                          "rate_given_reached": hits / reached if reached else None})
     certificate = None
     if rule is not None and rule.name == "budget":
         n = max_new_tokens
