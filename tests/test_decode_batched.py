@@ -424,3 +424,16 @@ def test_per_position_acceptance_has_vllms_semantics():
     assert [p["accepted"] for p in positions] == [2, 1, 1, 1]
     assert [p["rate"] for p in positions] == [2 / 3, 1 / 3, 1 / 3, 1 / 3]
     assert [p["rate_given_reached"] for p in positions] == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
+
+
+def test_a_certificate_that_certifies_nothing_says_so():
+    from verispec.decode import Generation, verification_report
+    from verispec.rules import parse
+
+    gen = Generation(prompt_ids=(1,), token_ids=(1,) * 3, blocks=(), steps=None, target_calls=1,
+                     draft_calls=0, seconds=1.0, finish="length", rule=parse("budget:tv=0.05"))
+    vacuous = verification_report(gen, max_new_tokens=24)["certificate"]
+    assert vacuous["tv_bound"] == 1.0 and "certifies nothing" in vacuous["warning"]
+    assert "below 0.0417" in vacuous["warning"]
+    useful = verification_report(gen, max_new_tokens=10)["certificate"]
+    assert useful["tv_bound"] == pytest.approx(0.5) and useful["warning"] is None

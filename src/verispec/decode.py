@@ -179,7 +179,8 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
       n = max_new_tokens (the maximum length: with a stop token, responses are padded to it;
       docs/design.md, 'Certificate'), and KL(law_t || p_t) <= log(1 + ratio * tv) per token;
       None for other rules, and its bound None when max_new_tokens is unknown and the response stopped
-      early (its own length is not a valid n then).
+      early (its own length is not a valid n then); `warning` says when n * tv >= 1 (a bound of 1
+      certifies nothing), else None.
     """
     rule = gen.rule
     proposed = sum(b.proposed for b in gen.blocks)
@@ -198,10 +199,13 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
         n = max_new_tokens
         if n is None and gen.finish == "length":
             n = gen.num_tokens
+        vacuous = n is not None and n * rule.tv >= 1
         certificate = {
             "tv_per_token": rule.tv, "ratio": rule.ratio, "n": n, "n_is": "max_tokens",
             "tv_bound": None if n is None else min(1.0, n * rule.tv),
             "kl_per_token_bound": math.log1p(rule.ratio * rule.tv) if math.isfinite(rule.ratio) else None,
+            "warning": (f"n * tv_per_token = {n * rule.tv:.3g} >= 1: the TV bound certifies nothing for a "
+                        f"response of up to {n} tokens; lower tv to below {1 / n:.3g}") if vacuous else None,
         }
     steps = gen.steps
     n_steps = len(steps["tv"]) if steps else 0
