@@ -30,7 +30,7 @@ from test_serve import LOSSY, PROMPT, local_generate, same_report  # noqa: E402
 
 from verispec.cli import main  # noqa: E402
 from verispec.rules import parse  # noqa: E402
-from verispec.serve import REPLICA_HEADER  # noqa: E402
+from verispec.serving.app import REPLICA_HEADER  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -86,8 +86,11 @@ def test_too_many_replicas_for_the_cpus_is_refused_before_deploying(cluster, cap
     assert main(["serve", "--ray", "--replicas", "3", "--port", str(free_port())]) == 1
     err = capsys.readouterr().err
     assert "not enough CPUs for 3 replica(s) x 1 CPU(s) = 3 CPUs" in err and "of its 2 CPUs available" in err
-    assert main(["serve", "--ray", "--replicas", "1", "--num-cpus-per-replica", "2.5"]) == 1
+    assert main(["serve", "--ray", "--replicas", "1", "--ray-cpus", "2.5"]) == 1
     assert "= 2.5 CPUs" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replicas", "1", "--num-cpus-per-replica", "2.5"]) == 1  # old spelling
+    err = capsys.readouterr().err
+    assert "= 2.5 CPUs" in err and "--num-cpus-per-replica is deprecated; use --ray-cpus" in err
     assert time.monotonic() - started < 10 and serve_actors() == []  # nothing was deployed
 
 

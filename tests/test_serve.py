@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from verispec.rules import parse  # noqa: E402
-from verispec.serve import APIError, ServeConfig, certifiable_tv, check_policy  # noqa: E402
+from verispec.serving.app import create_app, uvicorn_server  # noqa: E402
+from verispec.serving.config import APIError, ServeConfig, certifiable_tv, check_policy  # noqa: E402
 
 PROMPT = "KING.\nWhat says the queen?\n"
 LOSSY = "budget:tv=0.01,ratio=2"
@@ -61,15 +62,10 @@ class Running:
     """A uvicorn server in a thread, stopped by `close` (graceful: lifespan shutdown stops the engine)."""
 
     def __init__(self, config: ServeConfig):
-        import uvicorn
-
-        from verispec.serve import create_app
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn_server(self.app, "127.0.0.1", self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -127,7 +123,7 @@ def same_report(served: dict, local: dict) -> None:
 
 def local_generate(prompt, rule, seed, max_tokens, k=4, **sampling):
     import verispec
-    from verispec.cli import json_safe
+    from verispec.jsonsafe import json_safe
 
     out = verispec.generate(prompt, target="default", draft="default-draft", rule=rule, k=k,
                             max_new_tokens=max_tokens, seed=seed, chat=False, **sampling)
