@@ -77,15 +77,16 @@ def check_body(body) -> None:
                                     f"(at '{where}')", _param(where))
             if isinstance(value, dict):
                 for key, item in value.items():
-                    check_text(key, where or "the body's keys")
+                    if not isinstance(key, str) or not key.isascii():
+                        check_text(key, f"{where}.<field name>" if where else "<field name>")
                     stack.append((item, f"{where}.{key}" if where else key, depth + 1))
             else:
                 stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
 def _param(where: str) -> str | None:
-    """The top-level field of a path such as `messages[0].content`."""
-    return where.split(".")[0].split("[")[0] or None
+    """The top-level field of a path such as `messages[0].content` (None for the body itself)."""
+    return where.split(".")[0].split("[")[0].replace("<field name>", "") or None
 
 
 def check_text(text: str, where: str) -> None:
