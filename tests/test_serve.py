@@ -175,9 +175,11 @@ def test_chat_completion_and_streaming(srv):
     # completions stream too, with a stop string
     plain = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3)
     chunks = list(srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3,
-                                                stream=True))
-    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+                                                stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks[:-1]) == plain.choices[0].text
+    # OpenAI's include_usage: a last chunk with no choices and the usage; null usage in the others
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
     stop = plain.choices[0].text[5:7]
     cut = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3, stop=[stop])
     assert cut.choices[0].text == plain.choices[0].text[: plain.choices[0].text.index(stop)]
@@ -253,8 +255,13 @@ def metrics(srv) -> dict:
     return out
 
 
+def total(sampled: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples whose labels include `labels` (e.g. over every rule)."""
+    return sum(v for (n, ls), v in sampled.items() if n == name and set(labels.items()) <= set(ls))
+
+
 def cancelled_count(srv) -> float:
-    return metrics(srv).get(("verispec:request_success_total", (("finished_reason", "cancelled"),)), 0.0)
+    return total(metrics(srv), "verispec:request_success_total", finished_reason="cancelled")
 
 
 @pytest.mark.slow
@@ -269,8 +276,7 @@ def test_metrics_add_up(srv):
     after = metrics(srv)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
+        return total(after, name, **labels) - total(before, name, **labels)
 
     vers = [r.model_extra["verification"] for r in responses]
     assert delta("verispec:spec_decode_num_draft_tokens_total") == sum(v["drafted_tokens"] for v in vers)
@@ -287,6 +293,12 @@ def test_metrics_add_up(srv):
     assert delta("verispec:response_mean_tv_sum", rule=parse(LOSSY).spec) == pytest.approx(
         vers[1]["mean_tv"] + vers[2]["mean_tv"])
     assert after[("verispec:num_requests_running", ())] == 0
+    # the spec-decode counters carry the rule (and model_name): a lossy rule's acceptance is its own
+    lossy = [v for (rule, _), v in zip(jobs, vers) if rule == LOSSY]
+    assert delta("verispec:spec_decode_num_accepted_tokens_total", rule=parse(LOSSY).spec,
+                 model_name="default") == sum(v["accepted_tokens"] for v in lossy)
+    assert delta("verispec:spec_decode_num_drafts_total", rule="lossless") == vers[0][
+        "acceptance_per_position"][0]["reached"]
 
 
 BAD = [
@@ -319,7 +331,15 @@ BAD = [
     ("completions", {"prompt": PROMPT, "rule": "budget:tv=0.01"}, 400, "rule"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
-    ("completions", {"prompt": PROMPT, "logprobs": 0}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": True}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
+    ("completions", {"prompt": PROMPT, "temperature": 0.7, "verification": {"rule": "greedy"}}, 400,
+     "verification.rule"),
     ("completions", {"prompt": PROMPT, "best_of": True}, 400, "best_of"),
     ("completions", {"prompt": PROMPT, "stream_options": {"x": 1}}, 400, "stream_options"),
     ("completions", {"prompt": PROMPT, "user": 5}, 400, "user"),

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from starlette.exceptions import HTTPException
 
+from verispec import __version__ as VERSION
 from verispec.api import (as_dtype, check_device, encode_messages, encode_prompt, resolve_drafter,
                           resolve_target)
 from verispec.decode import Generation
@@ -35,12 +36,14 @@ from verispec.jsonsafe import json_safe
 from verispec.models import default_draft
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
-from verispec.serving.config import MAX_SEED, APIError, ServeConfig, check_policy, check_port
+from verispec.serving.config import MAX_SEED, APIError, ServeConfig, certifiable_tv, check_policy, check_port
 from verispec.serving.engine import Engine, Job, Params, QueueFull
+from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs, token_logprobs
 from verispec.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+FINGERPRINT = f"verispec-{VERSION}"  # the backend's configuration, OpenAI's meaning (the seed is in `seed`)
 MAX_BODY_DEPTH = 32  # nesting levels a request body may have (a chat request needs 4)
 
 
@@ -146,7 +149,7 @@ class Server:
         self.model_name = config.served_model_name or getattr(self.target, "name", None) or config.target
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
-        self.metrics = Metrics(config.k)
+        self.metrics = Metrics(config.k, self.model_name)
         self.engine = Engine(self.target, self.drafter, config, self.metrics)
 
     # -- parsing ------------------------------------------------------------------------------------
@@ -182,31 +185,8 @@ class Server:
         check_policy(rule, self.config)
         return rule, k
 
-    def parse_request(self, body, chat: bool) -> Params:
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        check_body(body)
-        model = body.get("model", self.model_name)
-        if model not in (self.model_name, self.config.target):
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "model", "model_not_found", kind="not_found_error")
-        n = _number(body, "n", int, 1, default=1)
-        if n != 1:
-            raise APIError(400, f"n={n!r} is not supported: verispec serve returns one choice per request "
-                                "(send n requests, each with its own seed)", "n", "unsupported")
-        for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None, False)),
-                         ("top_logprobs", (None, 0)), ("suffix", (None, "")),
-                         ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
-                         ("logit_bias", (None, {}))):
-            if not _is_off(body.get(key), off):
-                raise APIError(400, f"'{key}' is not supported by verispec serve", key, "unsupported")
-        if not isinstance(body.get("user", ""), str):
-            raise APIError(400, "'user' must be a string", "user")
-        options = body.get("stream_options")
-        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
-            raise APIError(400, "'stream_options' may only hold 'include_usage' (the last chunk always "
-                                "carries the usage)", "stream_options")
-        # the prompt
+    def encode(self, body: dict, chat: bool) -> list[int]:
+        """The prompt's token ids ('messages' for chat, else 'prompt'); APIError (400) if unusable."""
         try:
             if chat:
                 if "messages" not in body:
@@ -229,6 +209,35 @@ class Server:
             raise APIError(400, str(err), "messages" if chat else "prompt") from None
         if not prompt_ids:
             raise APIError(400, "empty prompt", "messages" if chat else "prompt")
+        return prompt_ids
+
+    def parse_request(self, body, chat: bool) -> Params:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_body(body)
+        model = body.get("model", self.model_name)
+        if model not in (self.model_name, self.config.target):
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found", kind="not_found_error")
+        n = _number(body, "n", int, 1, default=1)
+        if n != 1:
+            raise APIError(400, f"n={n!r} is not supported: verispec serve returns one choice per request "
+                                "(send n requests, each with its own seed)", "n", "unsupported")
+        for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
+                         ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                         ("logit_bias", (None, {}))):
+            if not _is_off(body.get(key), off):
+                raise APIError(400, f"'{key}' is not supported by verispec serve", key, "unsupported")
+        if not isinstance(body.get("user", ""), str):
+            raise APIError(400, "'user' must be a string", "user")
+        options = body.get("stream_options")
+        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                                        and isinstance(options.get("include_usage", False), bool)):
+            raise APIError(400, "'stream_options' may only hold 'include_usage': true or false",
+                           "stream_options")
+        include_usage = bool((options or {}).get("include_usage", False))
+        logprobs = self.parse_logprobs(body, chat)
+        prompt_ids = self.encode(body, chat)
         # after the prompt: a chat request with a 'prompt' is told 'messages' is missing
         unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
         if unknown:  # never silently ignored: a misplaced "rule" would decode with the default rule
@@ -280,8 +289,55 @@ class Server:
         if not isinstance(ignore_eos, bool):
             raise APIError(400, "'ignore_eos' must be true or false", "ignore_eos")
         rule, k = self.parse_rule(body)
+        greedy_refused = not self.config.allow_greedy_sampling and temperature > 0
+        if rule is not None and rule.name == "greedy" and greedy_refused:
+            raise APIError(400, f"rule 'greedy' returns the target's argmax whatever the temperature, so it "
+                                f"would ignore temperature={temperature:g}: send temperature 0 for greedy "
+                                "decoding (or the operator allows it with --allow-greedy-sampling)",
+                           "verification.rule", "rule_not_allowed")
+        warnings = self.check_response_tv(rule, max_tokens)
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
-                      seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos)
+                      seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos,
+                      logprobs=logprobs, include_usage=include_usage, warnings=warnings)
+
+    def parse_logprobs(self, body: dict, chat: bool) -> int | None:
+        """None (no log-probabilities), or how many top alternatives each token carries. Completions:
+        `logprobs` = that count; chat: `logprobs` true, with `top_logprobs` = that count."""
+        if chat:
+            on = body.get("logprobs")
+            if on is not None and not isinstance(on, bool):
+                raise APIError(400, f"'logprobs' must be true or false, got {on!r}", "logprobs")
+            top = _number(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
+            if top is not None and not on:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            count = (top or 0) if on else None
+        else:
+            if body.get("top_logprobs") is not None:
+                raise APIError(400, "completions take 'logprobs': N (the top alternatives per token); "
+                                    "'top_logprobs' is the chat field", "top_logprobs", "unsupported")
+            count = _number(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
+        if count is not None and not self.config.diagnostics:
+            raise APIError(400, "log-probabilities need the per-token record this server turns off "
+                                "(--no-diagnostics)", "logprobs", "unsupported")
+        return count
+
+    def check_response_tv(self, rule: Rule | None, max_tokens: int) -> list[str]:
+        """The response-level TV guardrail (--max-tv-per-response: 400 when the certified TV of the whole
+        response, min(1, max_tokens x per-token bound), exceeds it) and a warning when the certificate
+        of a budget rule certifies nothing (its bound reaches 1)."""
+        per_token = certifiable_tv(rule)
+        bound = None if per_token is None else min(1.0, max_tokens * per_token)
+        cap = self.config.max_tv_per_response
+        if cap is not None and (bound is None or bound > cap):
+            what = "has no TV certificate" if bound is None else (
+                f"certifies only TV <= {bound:g} over max_tokens={max_tokens} ({max_tokens} x {per_token:g})")
+            raise APIError(400, f"rule '{rule.spec}' {what}; this server's --max-tv-per-response is {cap:g}: "
+                                f"use a budget rule with tv <= {cap / max_tokens:.3g}, fewer max_tokens, or "
+                                "'lossless'", "verification.rule", "rule_not_certifiable")
+        if bound is not None and per_token > 0 and bound >= 1:
+            return [f"the certificate of '{rule.spec}' over max_tokens={max_tokens} is min(1, {max_tokens} x "
+                    f"{per_token:g}) = 1: it certifies nothing; lower tv or max_tokens for a useful bound"]
+        return []
 
 
 REPLICA_HEADER = "x-verispec-replica"
@@ -363,6 +419,40 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             state["replica"] = replica
         return JSONResponse(state, status_code=200 if engine.alive else 503)
 
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} (or chat "messages") -> {"tokens", "count", "max_model_len"}."""
+        body = await json_body(request)
+        chat = "messages" in body
+        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens"})
+        if unknown:
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}", unknown[0],
+                           "unsupported")
+        if not isinstance(body.get("add_special_tokens", True), bool):
+            raise APIError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+        if not chat and not isinstance(body.get("prompt"), str):
+            raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+        ids = server.encode(body, chat)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await json_body(request)
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}", unknown[0],
+                           "unsupported")
+        ids = body.get("tokens")
+        vocab = server.target.vocab_size
+        if not _token_list(ids) or any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": server.target.decode(ids)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
@@ -372,7 +462,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    async def handle(request: Request, chat: bool):
+    async def json_body(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as err:
@@ -380,7 +470,17 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         except RecursionError:  # the JSON parser recurses per nesting level
             raise APIError(400, f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} "
                                 "levels)") from None
-        params = server.parse_request(body, chat)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_body(body)
+        model = body.get("model", server.model_name)
+        if model not in (server.model_name, server.config.target):
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{server.model_name}'", "model", "model_not_found", kind="not_found_error")
+        return body
+
+    async def handle(request: Request, chat: bool):
+        params = server.parse_request(await json_body(request), chat)
         loop = asyncio.get_running_loop()
         job = Job(id=engine.new_id(), params=params, loop=loop, events=asyncio.Queue())
         try:
@@ -395,33 +495,52 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         obj = "chat.completion" if chat else "text_completion"
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def final_fields(gen: Generation, report: dict, returned: int) -> dict:
+        def usage(gen: Generation, returned: int) -> dict:
             n_prompt = len(gen.prompt_ids)
-            return {"usage": {"prompt_tokens": n_prompt, "completion_tokens": returned,
-                              "total_tokens": n_prompt + returned},
-                    "system_fingerprint": f"verispec-seed-{params.seed}", "seed": params.seed,
-                    "token_ids": list(gen.token_ids[:returned]), "verification": json_safe(report)}
+            return {"prompt_tokens": n_prompt, "completion_tokens": returned,
+                    "total_tokens": n_prompt + returned}
+
+        def final_fields(gen: Generation, report: dict, returned: int) -> dict:
+            out = {"system_fingerprint": FINGERPRINT, "seed": params.seed,
+                   "token_ids": list(gen.token_ids[:returned]), "verification": json_safe(report)}
+            return {**out, "warnings": params.warnings} if params.warnings else out
+
+        def logprobs(gen: Generation, returned: int) -> dict | None:
+            if params.logprobs is None:
+                return None
+            decode = server.target.decode
+            entries = token_logprobs(gen, returned, params.logprobs, decode)
+            return json_safe(chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode))
+
+        def chunk(choices: list, **extra) -> str:
+            body = {"id": rid, "object": chunk_obj, "created": created, "model": params.model,
+                    "choices": choices, **extra}
+            if params.include_usage and "usage" not in body:
+                body["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
+            return f"data: {json.dumps(body)}\n\n"
 
         if params.stream:
             async def events():
                 try:
+                    if chat:  # OpenAI's chat stream: the role once, in a first chunk of its own
+                        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
                     while True:
                         event = await job.events.get()
                         if event[0] == "delta":
-                            choice = ({"index": 0, "delta": {"role": "assistant", "content": event[1]},
-                                       "finish_reason": None} if chat else
-                                      {"index": 0, "text": event[1], "logprobs": None, "finish_reason": None})
-                            chunk = {"id": rid, "object": chunk_obj, "created": created,
-                                     "model": params.model, "choices": [choice]}
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield chunk([{"index": 0, "delta": {"content": event[1]}, "logprobs": None,
+                                          "finish_reason": None} if chat else
+                                         {"index": 0, "text": event[1], "logprobs": None,
+                                          "finish_reason": None}])
                         elif event[0] == "done":
                             _, gen, _text, finish, report, returned = event
-                            choice = ({"index": 0, "delta": {}, "finish_reason": finish} if chat else
-                                      {"index": 0, "text": "", "logprobs": None, "finish_reason": finish})
-                            chunk = {"id": rid, "object": chunk_obj, "created": created,
-                                     "model": params.model, "choices": [choice],
-                                     **final_fields(gen, report, returned)}
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            lp = logprobs(gen, returned)  # every token's, in the chunk that ends the choice
+                            yield chunk([{"index": 0, "delta": {}, "logprobs": lp, "finish_reason": finish}
+                                         if chat else
+                                         {"index": 0, "text": "", "logprobs": lp, "finish_reason": finish}],
+                                        **final_fields(gen, report, returned))
+                            if params.include_usage:  # its own last chunk, with no choices (OpenAI)
+                                yield chunk([], usage=usage(gen, returned))
                             yield "data: [DONE]\n\n"
                             return
                         else:
@@ -447,11 +566,12 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         if event[0] == "error":
             raise event[1]
         _, gen, text, finish, report, returned = event
+        lp = logprobs(gen, returned)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                   "logprobs": None} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                   "logprobs": lp} if chat else
+                  {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
         return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": [choice],
-                **final_fields(gen, report, returned)}
+                "usage": usage(gen, returned), **final_fields(gen, report, returned)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -55,6 +55,9 @@ class Params:
     stream: bool
     model: str
     ignore_eos: bool = False  # vLLM's extra field: run to max_tokens
+    logprobs: int | None = None  # None: none; else per-token log-probabilities with this many top tokens
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    warnings: list[str] = field(default_factory=list)  # returned with the response
 
 
 class QueueFull(Exception):
@@ -234,7 +237,8 @@ class Engine:
                                    DecodeConfig(k=self.config.k, sampling=p.sampling))
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
-                                  stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics)
+                                  stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
+                                  keep_probs=bool(p.logprobs))  # the target's rows, for top_logprobs
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
             self.running -= 1

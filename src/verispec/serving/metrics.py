@@ -13,23 +13,31 @@ from verispec.decode import Generation
 class Metrics:
     """Prometheus metrics in the app's own registry: vLLM's speculative-decoding counters under a
     `verispec:` prefix (prometheus_client appends `_total` to counters, as for vLLM's), latencies,
-    queue depth, running batch size, and per-rule fidelity histograms of the responses."""
+    queue depth, running batch size, and per-rule fidelity histograms of the responses.
 
-    def __init__(self, k: int):
+    Labels: `model_name` (the served model, as vLLM's) on the request and token counters, and `rule` too
+    on the speculative-decoding counters, so a server mixing lossless and lossy requests does not blend
+    their acceptance. vLLM's per-position acceptance rate is
+    `num_accepted_tokens_per_pos{position=i} / num_drafts` (accepted at position i per draft)."""
+
+    def __init__(self, k: int, model_name: str = ""):
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
+        spec = ["model_name", "rule"]
         self.num_drafts = Counter("verispec:spec_decode_num_drafts", "Blocks with at least one draft token",
-                                  registry=r)
+                                  spec, registry=r)
         self.num_draft_tokens = Counter("verispec:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                        registry=r)
+                                        spec, registry=r)
         self.num_accepted = Counter("verispec:spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                    registry=r)
+                                    spec, registry=r)
         self.accepted_per_pos = Counter("verispec:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position (0-based, as vLLM)",
-                                        ["position"], registry=r)
-        self.generation_tokens = Counter("verispec:generation_tokens", "Generated tokens", registry=r)
-        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens", registry=r)
-        self.requests = Counter("verispec:request_success", "Finished requests", ["finished_reason"],
-                                registry=r)
+                                        [*spec, "position"], registry=r)
+        self.generation_tokens = Counter("verispec:generation_tokens", "Generated tokens", ["model_name"],
+                                         registry=r)
+        self.prompt_tokens = Counter("verispec:prompt_tokens", "Prompt tokens", ["model_name"], registry=r)
+        self.requests = Counter("verispec:request_success", "Finished requests",
+                                ["model_name", "finished_reason"], registry=r)
         latency = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.latency = Histogram("verispec:e2e_request_latency_seconds", "Request latency (queue included)",
                                  buckets=latency, registry=r)
@@ -51,16 +59,16 @@ class Metrics:
     def record(self, created: float, gen: Generation, report: dict, finish: str, returned: int) -> None:
         """One finished request; `returned`: its response's tokens (fewer than decoded after a stop
         string; the speculative counters count every decoded one)."""
-        self.num_drafts.inc(sum(1 for b in gen.blocks if b.proposed > 0))
-        self.num_draft_tokens.inc(report["drafted_tokens"])
-        self.num_accepted.inc(report["accepted_tokens"])
+        rule, model = report["rule"], self.model_name
+        self.num_drafts.labels(model, rule).inc(sum(1 for b in gen.blocks if b.proposed > 0))
+        self.num_draft_tokens.labels(model, rule).inc(report["drafted_tokens"])
+        self.num_accepted.labels(model, rule).inc(report["accepted_tokens"])
         for pos in report["acceptance_per_position"]:
-            self.accepted_per_pos.labels(position=str(pos["position"] - 1)).inc(pos["accepted"])
-        self.generation_tokens.inc(returned)
-        self.prompt_tokens.inc(len(gen.prompt_ids))
-        self.requests.labels(finished_reason=finish).inc()
+            self.accepted_per_pos.labels(model, rule, str(pos["position"] - 1)).inc(pos["accepted"])
+        self.generation_tokens.labels(model).inc(returned)
+        self.prompt_tokens.labels(model).inc(len(gen.prompt_ids))
+        self.requests.labels(model, finish).inc()
         self.latency.observe(time.perf_counter() - created)
-        rule = report["rule"]
         for hist, value in ((self.mean_tv, report["mean_tv"]), (self.mean_kl, report["mean_kl"]),
                             (self.log_ratio, report["log_ratio_per_token"])):
             if value is not None and math.isfinite(value):
