@@ -469,3 +469,111 @@ def test_run_json_reports_the_same_object(capsys):
     out = json.loads(capsys.readouterr().out)
     _, report = local_generate(PROMPT, LOSSY, 4, 12)
     assert out["stats"]["verification"] == report
+
+
+# -- what clients call beyond completions (issue 25) ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_decode_loops_exact_record(srv):
+    """Per token: the processed target's log-prob, the exact behaviour log-prob (the law the rule drew
+    the token from) and the token's role, as the decode loop recorded them; their sums give the
+    response's importance weight, exp(-log_ratio) of its verification report."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "seed": 9, "logprobs": 3, "verification": {"rule": LOSSY}}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    local, _ = local_generate(PROMPT, LOSSY, 9, 16)
+    steps, lp = local.generation.steps, r["choices"][0]["logprobs"]
+    assert r["token_ids"] == local.token_ids
+    assert lp["token_roles"] == steps["role"] and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    for key, field in (("token_logprobs", "log_target"), ("behaviour_logprobs", "log_law"),
+                       ("raw_logprobs", "log_target_raw")):  # float32 rounding of batched passes: 1e-4
+        assert lp[key] == pytest.approx(steps[field], rel=1e-4, abs=1e-4), key
+    assert any(abs(a - b) > 1e-3 for a, b in zip(lp["token_logprobs"], lp["behaviour_logprobs"]))
+    ver = r["verification"]
+    assert lp["sum_behaviour_logprob"] - lp["sum_logprob"] == pytest.approx(ver["log_ratio"], abs=1e-9)
+    assert lp["log_importance_weight"] == pytest.approx(-ver["log_ratio"], abs=1e-9)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        values = list(top.values())  # the 3 most likely tokens under the processed target, in order
+        assert values == sorted(values, reverse=True) and values[0] >= value - 1e-6
+        if token in top:
+            assert top[token] == pytest.approx(value, abs=1e-5)
+    # the official client parses them; lossless: the behaviour law is the target's
+    parsed = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=6, seed=2, logprobs=0)
+    assert len(parsed.choices[0].logprobs.token_logprobs) == parsed.usage.completion_tokens
+    extra = parsed.choices[0].logprobs.model_extra
+    assert extra["behaviour_logprobs"] == parsed.choices[0].logprobs.token_logprobs
+    assert parsed.choices[0].logprobs.top_logprobs is None
+
+
+@pytest.mark.slow
+def test_chat_stream_with_logprobs_and_include_usage_as_openai(srv):
+    body = {"messages": [{"role": "user", "content": "KING."}], "max_tokens": 8, "seed": 4, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the role once
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
+    usage, last = chunks[-1], chunks[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(last["token_ids"])
+    assert all(c["usage"] is None for c in chunks[:-1])
+    content = last["choices"][0]["logprobs"]["content"]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len(content) == len(last["token_ids"])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert "".join(item["token"] for item in content).startswith(text)
+    for item in content:  # lossless: behaviour log-prob = target log-prob; the roles are the loop's
+        assert item["behaviour_logprob"] == item["logprob"] and len(item["top_logprobs"]) == 2
+        assert item["token_role"] in ("accepted", "recovered", "bonus") and item["bytes"]
+    assert last["system_fingerprint"].startswith("verispec-") and last["seed"] == 4
+
+
+@pytest.mark.slow
+def test_tokenize_detokenize_version(srv):
+    import verispec
+
+    target = srv.app.state.server.target
+    with httpx.Client(timeout=30) as client:
+        t = client.post(srv.url + "/tokenize", json={"prompt": PROMPT}).json()
+        assert t["tokens"] == target.encode(PROMPT) and t["count"] == len(t["tokens"])
+        assert client.post(srv.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": PROMPT}
+        chat = client.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "KING."}]})
+        assert chat.json()["tokens"] == target.encode("KING.\n")  # no chat template: contents + newline
+        assert client.get(srv.url + "/version").json() == {"version": verispec.__version__}
+        for path, bad, param in (("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "x"},
+                                 "tokens"), ("/tokenize", {"prompt": 5}, "prompt"),
+                                 ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+                                 ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
+            resp = client.post(srv.url + path, json=bad)
+            assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, (bad, resp.text)
+        raw = client.post(srv.url + "/tokenize", content=b'{"prompt": "x\\ud800"}',
+                          headers={"content-type": "application/json"})
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
+
+
+def test_response_tv_guardrail_warning_and_greedy_policy():
+    """--max-tv-per-response bounds the certified TV of a whole response, min(1, max_tokens x tv); a
+    budget certificate that reaches 1 comes with a warning; rule greedy at T > 0 (it ignores T) is
+    refused unless the operator allows it. Checked on the request parser (no HTTP needed)."""
+    from verispec.serving.app import Server
+
+    def parse_with(config: ServeConfig, **body):
+        return Server(config).parse_request({"prompt": PROMPT, **body}, chat=False)
+
+    capped = ServeConfig(target="default", draft="default-draft", max_tv_per_response=0.5)
+    assert parse_with(capped, max_tokens=8, verification={"rule": "budget:tv=0.05"}).warnings == []  # 0.4
+    for rule, max_tokens in (("budget:tv=0.05", 20), ("lenience:l=0.5", 4)):
+        with pytest.raises(APIError) as err:
+            parse_with(capped, max_tokens=max_tokens, verification={"rule": rule})
+        assert err.value.code == "rule_not_certifiable" and "--max-tv-per-response" in err.value.message
+    assert parse_with(capped, max_tokens=500, verification={"rule": "lossless"}).warnings == []
+    open_ = ServeConfig(target="default", draft="default-draft")
+    warned = parse_with(open_, max_tokens=24, verification={"rule": "budget:tv=0.05"}).warnings
+    assert len(warned) == 1 and "certifies nothing" in warned[0]
+    with pytest.raises(APIError, match="ignore temperature=1"):
+        parse_with(open_, verification={"rule": "greedy"})
+    assert parse_with(open_, temperature=0, verification={"rule": "greedy"}).rule.name == "greedy"
+    allowed = ServeConfig(target="default", draft="default-draft", allow_greedy_sampling=True)
+    assert parse_with(allowed, verification={"rule": "greedy"}).rule.name == "greedy"
