@@ -317,7 +317,7 @@ BAD = [
     ("completions", {"prompt": PROMPT, "temperature": -0.5}, 400, "temperature"),
     ("completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
-    ("completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "n": 9}, 400, "n"),
     ("completions", {"prompt": PROMPT, "seed": -3}, 400, "seed"),
     ("completions", {"prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
@@ -360,8 +360,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
         assert client.get(srv.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
         models = client.get(srv.url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["default"]
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        srv.client.completions.create(model="default", prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="n=9 is more choices than this server returns"):
+        srv.client.completions.create(model="default", prompt=PROMPT, n=9)
     r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1)
     assert r.usage.completion_tokens == 5 and srv.health()["status"] == "ok"
     # fields that change no output are accepted
@@ -577,3 +577,40 @@ def test_response_tv_guardrail_warning_and_greedy_policy():
     assert parse_with(open_, temperature=0, verification={"rule": "greedy"}).rule.name == "greedy"
     allowed = ServeConfig(target="default", draft="default-draft", allow_greedy_sampling=True)
     assert parse_with(allowed, verification={"rule": "greedy"}).rule.name == "greedy"
+
+
+@pytest.mark.slow
+def test_n_choices_each_with_its_own_seed_and_report(srv):
+    """`n` choices decode as n rows of one request: choice i with seed + i, its own report and token ids
+    (equal to `generate` with that seed, but for a rare float-rounding flip of batched passes, as in
+    test_concurrent_requests_equal_alone); usage counts the prompt once and every choice's tokens."""
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=10, seed=20, n=3,
+                                      extra_body={"verification": {"rule": LOSSY}})
+    assert [c.index for c in r.choices] == [0, 1, 2] and "verification" not in r.model_extra
+    differ = 0
+    for i, c in enumerate(r.choices):
+        extra = c.model_extra
+        assert extra["seed"] == 20 + i and extra["verification"]["tokens"] == len(extra["token_ids"])
+        local, report = local_generate(PROMPT, LOSSY, 20 + i, 10)
+        if extra["token_ids"] != local.token_ids:
+            differ += 1
+            continue
+        assert c.text == local.text
+        same_report(extra["verification"], report)
+    assert differ <= 1
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    assert r.usage.prompt_tokens == len(local.prompt_ids)
+    # streamed chat: the choices' chunks interleave; each choice ends with its own fields
+    body = dict(model="default", messages=[{"role": "user", "content": "KING."}], n=2, max_tokens=6, seed=5)
+    chunks = list(srv.client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                     **body))
+    texts, finals = {0: "", 1: ""}, {}
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finals[choice.index] = choice.model_extra
+    assert sorted(finals) == [0, 1] and [finals[0]["seed"], finals[1]["seed"]] == [5, 6]
+    whole = srv.client.chat.completions.create(**body)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

@@ -20,6 +20,7 @@ import math
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import uvicorn  # the `serve` extra: pip install "verispec[serve]"
 from fastapi import FastAPI, Request
@@ -220,9 +221,13 @@ class Server:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            "model", "model_not_found", kind="not_found_error")
         n = _number(body, "n", int, 1, default=1)
-        if n != 1:
-            raise APIError(400, f"n={n!r} is not supported: verispec serve returns one choice per request "
-                                "(send n requests, each with its own seed)", "n", "unsupported")
+        if n > self.config.max_n:
+            raise APIError(400, f"n={n!r} is more choices than this server returns per request (--max-n "
+                                f"{self.config.max_n}); send several requests", "n", "unsupported")
+        if n > self.config.max_batch + self.config.max_queue:
+            raise APIError(400, f"n={n!r} can never be admitted: this server holds "
+                                f"{self.config.max_batch + self.config.max_queue} requests", "n",
+                           "unsupported")
         for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
                          ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
                          ("logit_bias", (None, {}))):
@@ -298,7 +303,7 @@ class Server:
         warnings = self.check_response_tv(rule, max_tokens)
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
                       seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos,
-                      logprobs=logprobs, include_usage=include_usage, warnings=warnings)
+                      logprobs=logprobs, include_usage=include_usage, warnings=warnings, n=n)
 
     def parse_logprobs(self, body: dict, chat: bool) -> int | None:
         """None (no log-probabilities), or how many top alternatives each token carries. Completions:
@@ -481,28 +486,39 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
     async def handle(request: Request, chat: bool):
         params = server.parse_request(await json_body(request), chat)
-        loop = asyncio.get_running_loop()
-        job = Job(id=engine.new_id(), params=params, loop=loop, events=asyncio.Queue())
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(id=engine.new_id(), params=replace(params, seed=(params.seed + i) % (MAX_SEED + 1)),
+                    loop=loop, events=events, index=i) for i in range(params.n)]
         try:
-            engine.submit(job)
+            engine.submit(jobs)
         except QueueFull:
             raise APIError(503, f"the server is at capacity ({server.config.max_batch} decoding + "
                                 f"{server.config.max_queue} queued requests); retry later", code="queue_full",
-                           kind="server_error",
-                           headers={"Retry-After": "1"}) from None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{job.id}-{secrets.token_hex(4)}"
+                           kind="server_error", headers={"Retry-After": "1"}) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].id}-{secrets.token_hex(4)}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        returned_tokens = [0] * params.n  # per choice, once done
 
-        def usage(gen: Generation, returned: int) -> dict:
-            n_prompt = len(gen.prompt_ids)
-            return {"prompt_tokens": n_prompt, "completion_tokens": returned,
-                    "total_tokens": n_prompt + returned}
+        def cancel_all() -> None:
+            for job in jobs:
+                engine.cancel(job)  # a client gone frees its rows at the next block
 
-        def final_fields(gen: Generation, report: dict, returned: int) -> dict:
-            out = {"system_fingerprint": FINGERPRINT, "seed": params.seed,
-                   "token_ids": list(gen.token_ids[:returned]), "verification": json_safe(report)}
+        def usage(prompt_tokens: int) -> dict:
+            done = sum(returned_tokens)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                    "total_tokens": prompt_tokens + done}
+
+        def choice_fields(i: int, gen: Generation, report: dict, returned: int) -> dict:
+            """A choice's own seed, token ids and verification report."""
+            return {"seed": jobs[i].params.seed, "token_ids": list(gen.token_ids[:returned]),
+                    "verification": json_safe(report)}
+
+        def top_fields(fields: dict) -> dict:
+            out = {"system_fingerprint": FINGERPRINT}
+            if params.n == 1:  # one choice: its fields at the top level too (as before n > 1 existed)
+                out.update(fields)
             return {**out, "warnings": params.warnings} if params.warnings else out
 
         def logprobs(gen: Generation, returned: int) -> dict | None:
@@ -520,58 +536,68 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             return f"data: {json.dumps(body)}\n\n"
 
         if params.stream:
-            async def events():
+            async def stream():
                 try:
-                    if chat:  # OpenAI's chat stream: the role once, in a first chunk of its own
-                        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    while True:
-                        event = await job.events.get()
+                    if chat:  # OpenAI's chat stream: the role once per choice, in a first chunk of its own
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None} for i in range(params.n)])
+                    finished, prompt_tokens = 0, len(params.prompt_ids)
+                    while finished < params.n:
+                        i, event = await events.get()
                         if event[0] == "delta":
-                            yield chunk([{"index": 0, "delta": {"content": event[1]}, "logprobs": None,
+                            yield chunk([{"index": i, "delta": {"content": event[1]}, "logprobs": None,
                                           "finish_reason": None} if chat else
-                                         {"index": 0, "text": event[1], "logprobs": None,
+                                         {"index": i, "text": event[1], "logprobs": None,
                                           "finish_reason": None}])
                         elif event[0] == "done":
                             _, gen, _text, finish, report, returned = event
+                            returned_tokens[i], finished = returned, finished + 1
                             lp = logprobs(gen, returned)  # every token's, in the chunk that ends the choice
-                            yield chunk([{"index": 0, "delta": {}, "logprobs": lp, "finish_reason": finish}
-                                         if chat else
-                                         {"index": 0, "text": "", "logprobs": lp, "finish_reason": finish}],
-                                        **final_fields(gen, report, returned))
-                            if params.include_usage:  # its own last chunk, with no choices (OpenAI)
-                                yield chunk([], usage=usage(gen, returned))
-                            yield "data: [DONE]\n\n"
-                            return
+                            fields = choice_fields(i, gen, report, returned)
+                            last = ({"index": i, "delta": {}, "logprobs": lp, "finish_reason": finish} if chat
+                                    else {"index": i, "text": "", "logprobs": lp, "finish_reason": finish})
+                            yield chunk([last if params.n == 1 else {**last, **fields}], **top_fields(fields))
                         else:
                             yield f"data: {json.dumps(event[1].body())}\n\n"
                             return
+                    if params.include_usage:  # its own last chunk, with no choices (OpenAI)
+                        yield chunk([], usage=usage(prompt_tokens))
+                    yield "data: [DONE]\n\n"
                 finally:
-                    engine.cancel(job)  # a client gone mid-stream frees its row at the next block
+                    cancel_all()
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(stream(), media_type="text/event-stream")
 
+        results: dict[int, tuple] = {}
         try:
-            while True:
+            while len(results) < params.n:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), 0.5)
-                    break
+                    i, event = await asyncio.wait_for(events.get(), 0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        engine.cancel(job)
+                        cancel_all()
                         return Response(status_code=499)
+                    continue
+                if event[0] == "error":
+                    cancel_all()
+                    raise event[1]
+                if event[0] == "done":
+                    results[i] = event
         except asyncio.CancelledError:
-            engine.cancel(job)
+            cancel_all()
             raise
-        if event[0] == "error":
-            raise event[1]
-        _, gen, text, finish, report, returned = event
-        lp = logprobs(gen, returned)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                   "logprobs": lp} if chat else
-                  {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
-        return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": [choice],
-                "usage": usage(gen, returned), **final_fields(gen, report, returned)}
+        choices, fields = [], {}
+        for i in range(params.n):
+            _, gen, text, finish, report, returned = results[i]
+            returned_tokens[i] = returned
+            fields = choice_fields(i, gen, report, returned)
+            lp = logprobs(gen, returned)
+            choice = ({"index": i, "message": {"role": "assistant", "content": text},
+                       "finish_reason": finish, "logprobs": lp} if chat else
+                      {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+            choices.append(choice if params.n == 1 else {**choice, **fields})
+        return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": choices,
+                "usage": usage(len(params.prompt_ids)), **top_fields(fields)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -55,6 +55,7 @@ class Params:
     stream: bool
     model: str
     ignore_eos: bool = False  # vLLM's extra field: run to max_tokens
+    n: int = 1  # choices: choice i decodes with seed + i
     logprobs: int | None = None  # None: none; else per-token log-probabilities with this many top tokens
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     warnings: list[str] = field(default_factory=list)  # returned with the response
@@ -66,7 +67,7 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request (one choice of one request) in the engine."""
+    """One choice of one request in the engine (its `params.seed` is the choice's own)."""
 
     id: int
     params: Params
@@ -78,6 +79,7 @@ class Job:
     done: bool = False
     group: tuple | None = None
     row: int | None = None
+    index: int = 0  # the choice this job decodes (a request with n choices has n jobs on one queue)
 
 
 class Engine:
@@ -131,16 +133,18 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs (one per choice), all or none: QueueFull when the free rows and queue
+        places cannot take them all; APIError 503 when the engine failed or is shutting down."""
         with self._cond:
             if self._thread is not None and not self.alive:
                 raise APIError(503, f"the decoding engine has failed ({self.error!r}); this server must be "
                                     "restarted", code="engine_failed", kind="server_error")
             if self._stopping or self._drain_deadline is not None:
                 raise shutting_down("it accepts no new requests")
-            if self.running + len(self._pending) >= self.config.max_batch + self.config.max_queue:
+            if self.running + len(self._pending) + len(jobs) > self.config.max_batch + self.config.max_queue:
                 raise QueueFull()
-            self._pending.append(job)
+            self._pending.extend(jobs)
             self.metrics.waiting.set(len(self._pending))
             self._cond.notify_all()
 
@@ -155,7 +159,7 @@ class Engine:
         if event[0] in ("done", "error"):
             job.done = True
         try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+            job.loop.call_soon_threadsafe(job.events.put_nowait, (job.index, event))
         except RuntimeError:  # the request's event loop is closed
             pass
 
