@@ -614,3 +614,20 @@ def test_n_choices_each_with_its_own_seed_and_report(srv):
     whole = srv.client.chat.completions.create(**body)
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_openapi_documents_the_verification_report(srv):
+    """/openapi.json has the report's schema, with exactly the fields a response carries (no drift)."""
+    schema = httpx.get(srv.url + "/openapi.json", timeout=30).json()
+    report = schema["components"]["schemas"]["VerificationReport"]["properties"]
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=4, seed=1,
+                                      extra_body={"verification": {"rule": LOSSY}})
+    ver = r.model_extra["verification"]
+    assert set(report) == set(ver)
+    position = report["acceptance_per_position"]["items"]["properties"]
+    assert set(position) == set(ver["acceptance_per_position"][0])
+    assert set(report["certificate"]["properties"]) == set(ver["certificate"])
+    assert all(field.get("description") or field.get("items") for field in report.values())
+    ok = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert ok["schema"]["$ref"] == "#/components/schemas/VerispecResponseFields"

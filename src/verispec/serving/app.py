@@ -25,6 +25,7 @@ from dataclasses import replace
 import uvicorn  # the `serve` extra: pip install "verispec[serve]"
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from starlette.exceptions import HTTPException
@@ -41,6 +42,7 @@ from verispec.serving.config import MAX_SEED, APIError, ServeConfig, certifiable
 from verispec.serving.engine import Engine, Job, Params, QueueFull
 from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs, token_logprobs
 from verispec.serving.metrics import Metrics
+from verispec.serving.schema import SCHEMAS
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +386,20 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         finally:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
 
-    app = FastAPI(title="verispec serve", lifespan=lifespan)
+    app = FastAPI(title="verispec serve", version=VERSION, lifespan=lifespan)
+
+    def openapi() -> dict:
+        """FastAPI's schema plus the verification report's and the log-probabilities' (serving/schema.py)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    with_report = {200: {"description": "OpenAI's response, plus verispec's fields (VerispecResponseFields)",
+                         "content": {"application/json": {"schema": {
+                             "$ref": "#/components/schemas/VerispecResponseFields"}}}}}
     app.state.server = server
     if replica is not None:
         Gauge("verispec:replica_info", "The replica that served this exposition (always 1)", ["replica"],
@@ -599,11 +614,11 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": choices,
                 "usage": usage(len(params.prompt_ids)), **top_fields(fields)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=with_report)
     async def completions(request: Request):
         return await handle(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=with_report)
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
