@@ -13,7 +13,8 @@ from verispec.ray_cluster import RayOptions
 from verispec.serving.config import ServeConfig, check_port
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "verispec"
-ORDER = ["config", "metrics", "engine", "app", "ray"]  # bottom to top (docs/design.md, 'Layering')
+# bottom to top (docs/design.md, 'Layering')
+ORDER = ["config", "schema", "logprobs", "metrics", "engine", "app", "ray"]
 OPTIONAL = ("fastapi", "starlette", "uvicorn", "prometheus_client", "ray")  # the serve and ray extras
 
 
@@ -112,3 +113,21 @@ def test_one_set_of_ray_flags_and_the_old_spellings_still_work(capsys):
         RayOptions(worker_cpus=0).validate()
     with pytest.raises(ValueError, match="--workers/--replicas must be an integer >= 1"):
         RayOptions(workers=0).validate()
+
+
+@pytest.mark.slow  # loads the default pair: ~10 s on a loaded machine
+def test_run_json_carries_per_token_logprobs_and_their_sums(capsys):
+    """`verispec run --json` (GenerateResult.to_json): per token the target's and the behaviour
+    log-probability and the role, and the sums whose difference is the report's log_ratio."""
+    import json
+
+    argv = ["run", "--prompt", "KING.\n", "--rule", "budget:tv=0.05", "--max-new-tokens", "8", "--seed", "2",
+            "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    lp = out["logprobs"]
+    assert [t["token_id"] for t in lp["tokens"]] == out["token_ids"]
+    assert {t["role"] for t in lp["tokens"]} <= {"accepted", "recovered", "bonus"}
+    assert lp["sum_behaviour_logprob"] - lp["sum_logprob"] == pytest.approx(
+        out["stats"]["verification"]["log_ratio"], abs=1e-9)
+    assert lp["log_importance_weight"] == pytest.approx(lp["sum_logprob"] - lp["sum_behaviour_logprob"])

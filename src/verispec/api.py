@@ -11,6 +11,7 @@ import torch
 
 from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
                              speculative_decode, speculative_decode_batch)
+from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 
@@ -24,8 +25,12 @@ class GenerateResult:
     generation: Generation
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
-                "stats": self.stats}
+        out = {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
+               "stats": self.stats}
+        if self.generation.steps is not None:  # per token: target and behaviour log-probs, role; sums
+            entries = token_logprobs(self.generation, len(self.token_ids))
+            out["logprobs"] = {"tokens": entries, **totals(entries)}
+        return out
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

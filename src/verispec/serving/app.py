@@ -40,7 +40,8 @@ from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 from verispec.serving.config import MAX_SEED, APIError, ServeConfig, certifiable_tv, check_policy, check_port
 from verispec.serving.engine import Engine, Job, Params, QueueFull
-from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs, token_logprobs
+from verispec.logprobs import token_logprobs
+from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
 from verispec.serving.metrics import Metrics
 from verispec.serving.schema import SCHEMAS
 

@@ -1,4 +1,4 @@
-"""The continuous-batching engine of `verispec serve` (docs/design.md, 'Serving').
+"""The continuous-batching engine of `verispec serve` (README.md, 'Serving').
 
 One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule and one sampling
 setting, so requests are grouped by (rule, sampling settings): one decoder per group, k per row; the
