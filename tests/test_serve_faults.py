@@ -36,7 +36,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def small():
     """4 batch rows, 8 queue places, short responses by default."""
     running = Running(ServeConfig(target="default", draft="default-draft", max_batch=4, max_queue=8,
-                                  default_max_tokens=4, max_tokens_limit=64))
+                                  default_max_tokens=4, max_tokens_limit=1000))
     yield running
     running.close()
     assert running.app.state.server.engine.running == 0
@@ -113,8 +113,8 @@ def test_every_malformed_body_gets_a_4xx_in_openai_shape(small):
 @pytest.mark.slow
 def test_admission_counts_free_rows(small):
     """An idle server with 4 batch rows and 8 queue places takes 12 simultaneous requests (the free rows
-    fill only between blocks: the queue alone would have refused 4 of them); the 13th of 13 long ones is
-    refused with 503 queue_full."""
+    fill only between blocks: the queue alone would have refused 4 of them); with 12 long streams in, a
+    13th request is refused with 503 queue_full."""
     small.wait_until(lambda h: h["running"] == 0 and h["waiting"] == 0)
     barrier = threading.Barrier(12)
 
@@ -127,16 +127,27 @@ def test_admission_counts_free_rows(small):
     with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(send, range(12), timeout=180))
     assert [r.status_code for r in answers] == [200] * 12, [r.text[:200] for r in answers]
-    # 12 long requests fill every place; one more is refused at once
-    with ThreadPoolExecutor(12) as pool:
-        long = [pool.submit(httpx.post, small.url + "/v1/completions", timeout=120,
-                            json={"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "seed": i})
-                for i in range(12)]
+    # 12 long streams fill every place; one more is refused at once; closing them frees everything
+    clients = [open_stream(small.port, {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "seed": i})
+               for i in range(12)]
+    try:
         small.wait_until(lambda h: h["running"] + h["waiting"] == 12, seconds=60)
         extra = httpx.post(small.url + "/v1/completions", json={"prompt": PROMPT}, timeout=30)
         assert extra.status_code == 503 and openai_error(extra)["code"] == "queue_full"
-        assert [f.result(timeout=180).status_code for f in long] == [200] * 12
+    finally:
+        for sock in clients:
+            sock.close()
     small.wait_until(lambda h: h["running"] == 0 and h["waiting"] == 0)
+
+
+def open_stream(port: int, body: dict) -> socket.socket:
+    """A raw client that sends a streaming request and reads only the status line."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    raw = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    assert sock.recv(15).startswith(b"HTTP/1.1 200")
+    return sock
 
 
 @pytest.mark.slow
@@ -156,11 +167,7 @@ def test_max_queue_zero_serves_up_to_the_batch_rows():
 def test_a_stalled_stream_reader_blocks_no_one_and_is_cut_cleanly(small):
     """A client reads the headers of a long stream, then stops reading: the other requests are served
     meanwhile; when it goes away, its row is freed and nothing is left running."""
-    sock = socket.create_connection(("127.0.0.1", small.port), timeout=30)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 60, "stream": True, "ignore_eos": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    assert sock.recv(15).startswith(b"HTTP/1.1 200")  # then it stalls, reading nothing more
+    sock = open_stream(small.port, {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True})  # then it stalls
     try:
         started = time.monotonic()
         others = [httpx.post(small.url + "/v1/completions", json={"prompt": PROMPT, "seed": i}, timeout=60)
