@@ -63,22 +63,24 @@ def start_server(extra: list[str], wait: float = 120,
 
 async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "seed": i, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
-    final = None
+    final = usage = None
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk["choices"][0]["text"]:
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
                 first = time.perf_counter() - start
             if "verification" in chunk:
                 final = chunk
+            if chunk.get("usage"):  # include_usage: a last chunk of its own (OpenAI's shape)
+                usage = chunk["usage"]
     return {"latency": time.perf_counter() - start, "ttft": first,
-            "tokens": final["usage"]["completion_tokens"], "verification": final["verification"]}
+            "tokens": usage["completion_tokens"], "verification": final["verification"]}
 
 
 async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:

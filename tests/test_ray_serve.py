@@ -30,7 +30,7 @@ from test_serve import LOSSY, PROMPT, local_generate, same_report  # noqa: E402
 
 from verispec.cli import main  # noqa: E402
 from verispec.rules import parse  # noqa: E402
-from verispec.serve import REPLICA_HEADER  # noqa: E402
+from verispec.serving.app import REPLICA_HEADER  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -86,8 +86,11 @@ def test_too_many_replicas_for_the_cpus_is_refused_before_deploying(cluster, cap
     assert main(["serve", "--ray", "--replicas", "3", "--port", str(free_port())]) == 1
     err = capsys.readouterr().err
     assert "not enough CPUs for 3 replica(s) x 1 CPU(s) = 3 CPUs" in err and "of its 2 CPUs available" in err
-    assert main(["serve", "--ray", "--replicas", "1", "--num-cpus-per-replica", "2.5"]) == 1
+    assert main(["serve", "--ray", "--replicas", "1", "--ray-cpus", "2.5"]) == 1
     assert "= 2.5 CPUs" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replicas", "1", "--num-cpus-per-replica", "2.5"]) == 1  # old spelling
+    err = capsys.readouterr().err
+    assert "= 2.5 CPUs" in err and "--num-cpus-per-replica is deprecated; use --ray-cpus" in err
     assert time.monotonic() - started < 10 and serve_actors() == []  # nothing was deployed
 
 
@@ -254,8 +257,13 @@ def test_each_replica_serves_its_own_valid_metrics(server):
     assert health.json()["replica"] == health.headers[REPLICA_HEADER] in after
 
 
+def total(samples: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples whose labels include `labels` (the counters carry model_name)."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
 def cancelled(samples: dict) -> float:
-    return samples.get(("verispec:request_success_total", (("finished_reason", "cancelled"),)), 0.0)
+    return total(samples, "verispec:request_success_total", finished_reason="cancelled")
 
 
 @pytest.mark.slow
@@ -276,8 +284,8 @@ def test_disconnect_mid_stream_frees_the_row_on_its_replica(server):
             break
         assert time.monotonic() < deadline, "the row was not freed (not cancelled) within 30 s"
         time.sleep(0.2)
-    assert now[("verispec:generation_tokens_total", ())] < before[name].get(
-        ("verispec:generation_tokens_total", ()), 0) + 1000  # cancelled, not run to its 1000 tokens
+    assert total(now, "verispec:generation_tokens_total") < total(
+        before[name], "verispec:generation_tokens_total") + 1000  # cancelled, not run to its 1000 tokens
 
 
 @pytest.mark.slow

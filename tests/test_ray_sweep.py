@@ -152,7 +152,7 @@ def test_driver_killed_then_resumed_writes_every_unit_once(cluster, reference, t
     actors die with it. Resuming it with the local executor finishes the sweep: every unit exactly
     once, tokens equal to the local executor's (the other way: test_ray_resumes_a_local_sweep)."""
     out = tmp_path / "killed"
-    command = cli_args(out, "--executor", "ray", "--address", cluster, "--workers", "2")
+    command = cli_args(out, "--executor", "ray", "--ray-address", cluster, "--workers", "2")
     proc = subprocess.Popen([sys.executable, "-m", "verispec", *command],
                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -213,7 +213,8 @@ def test_no_cluster_at_the_address_fails_fast_naming_it(address, tmp_path):
                                                                        "--address", address)],
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert f"no Ray cluster at --address {address}" in done.stderr and "ray start --head" in done.stderr
+    assert f"no Ray cluster at --ray-address {address}" in done.stderr and "ray start --head" in done.stderr
+    assert "--address is deprecated; use --ray-address" in done.stderr  # the old spelling still works
     assert "Traceback" not in done.stderr
     assert time.time() - began < 60  # ray.init alone would retry for 30 s (ray://) or for minutes
 

@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from verispec.rules import parse  # noqa: E402
-from verispec.serve import APIError, ServeConfig, certifiable_tv, check_policy  # noqa: E402
+from verispec.serving.app import create_app, uvicorn_server  # noqa: E402
+from verispec.serving.config import APIError, ServeConfig, certifiable_tv, check_policy  # noqa: E402
 
 PROMPT = "KING.\nWhat says the queen?\n"
 LOSSY = "budget:tv=0.01,ratio=2"
@@ -61,15 +62,10 @@ class Running:
     """A uvicorn server in a thread, stopped by `close` (graceful: lifespan shutdown stops the engine)."""
 
     def __init__(self, config: ServeConfig):
-        import uvicorn
-
-        from verispec.serve import create_app
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn_server(self.app, "127.0.0.1", self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -127,7 +123,7 @@ def same_report(served: dict, local: dict) -> None:
 
 def local_generate(prompt, rule, seed, max_tokens, k=4, **sampling):
     import verispec
-    from verispec.cli import json_safe
+    from verispec.jsonsafe import json_safe
 
     out = verispec.generate(prompt, target="default", draft="default-draft", rule=rule, k=k,
                             max_new_tokens=max_tokens, seed=seed, chat=False, **sampling)
@@ -179,9 +175,11 @@ def test_chat_completion_and_streaming(srv):
     # completions stream too, with a stop string
     plain = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3)
     chunks = list(srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3,
-                                                stream=True))
-    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+                                                stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks[:-1]) == plain.choices[0].text
+    # OpenAI's include_usage: a last chunk with no choices and the usage; null usage in the others
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
     stop = plain.choices[0].text[5:7]
     cut = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=30, seed=3, stop=[stop])
     assert cut.choices[0].text == plain.choices[0].text[: plain.choices[0].text.index(stop)]
@@ -257,8 +255,13 @@ def metrics(srv) -> dict:
     return out
 
 
+def total(sampled: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples whose labels include `labels` (e.g. over every rule)."""
+    return sum(v for (n, ls), v in sampled.items() if n == name and set(labels.items()) <= set(ls))
+
+
 def cancelled_count(srv) -> float:
-    return metrics(srv).get(("verispec:request_success_total", (("finished_reason", "cancelled"),)), 0.0)
+    return total(metrics(srv), "verispec:request_success_total", finished_reason="cancelled")
 
 
 @pytest.mark.slow
@@ -273,8 +276,7 @@ def test_metrics_add_up(srv):
     after = metrics(srv)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
+        return total(after, name, **labels) - total(before, name, **labels)
 
     vers = [r.model_extra["verification"] for r in responses]
     assert delta("verispec:spec_decode_num_draft_tokens_total") == sum(v["drafted_tokens"] for v in vers)
@@ -291,6 +293,12 @@ def test_metrics_add_up(srv):
     assert delta("verispec:response_mean_tv_sum", rule=parse(LOSSY).spec) == pytest.approx(
         vers[1]["mean_tv"] + vers[2]["mean_tv"])
     assert after[("verispec:num_requests_running", ())] == 0
+    # the spec-decode counters carry the rule (and model_name): a lossy rule's acceptance is its own
+    lossy = [v for (rule, _), v in zip(jobs, vers) if rule == LOSSY]
+    assert delta("verispec:spec_decode_num_accepted_tokens_total", rule=parse(LOSSY).spec,
+                 model_name="default") == sum(v["accepted_tokens"] for v in lossy)
+    assert delta("verispec:spec_decode_num_drafts_total", rule="lossless") == vers[0][
+        "acceptance_per_position"][0]["reached"]
 
 
 BAD = [
@@ -309,7 +317,7 @@ BAD = [
     ("completions", {"prompt": PROMPT, "temperature": -0.5}, 400, "temperature"),
     ("completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("completions", {"prompt": PROMPT, "top_p": 0}, 400, "top_p"),
-    ("completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "n": 9}, 400, "n"),
     ("completions", {"prompt": PROMPT, "seed": -3}, 400, "seed"),
     ("completions", {"prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
@@ -323,7 +331,15 @@ BAD = [
     ("completions", {"prompt": PROMPT, "rule": "budget:tv=0.01"}, 400, "rule"),
     ("completions", {"prompt": PROMPT, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
-    ("completions", {"prompt": PROMPT, "logprobs": 0}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "logprobs": True}, 400, "logprobs"),
+    ("completions", {"prompt": PROMPT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
+    ("completions", {"prompt": PROMPT, "temperature": 0.7, "verification": {"rule": "greedy"}}, 400,
+     "verification.rule"),
     ("completions", {"prompt": PROMPT, "best_of": True}, 400, "best_of"),
     ("completions", {"prompt": PROMPT, "stream_options": {"x": 1}}, 400, "stream_options"),
     ("completions", {"prompt": PROMPT, "user": 5}, 400, "user"),
@@ -344,8 +360,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(srv):
         assert client.get(srv.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
         models = client.get(srv.url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["default"]
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        srv.client.completions.create(model="default", prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="n=9 is more choices than this server returns"):
+        srv.client.completions.create(model="default", prompt=PROMPT, n=9)
     r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=5, seed=1)
     assert r.usage.completion_tokens == 5 and srv.health()["status"] == "ok"
     # fields that change no output are accepted
@@ -454,3 +470,165 @@ def test_run_json_reports_the_same_object(capsys):
     out = json.loads(capsys.readouterr().out)
     _, report = local_generate(PROMPT, LOSSY, 4, 12)
     assert out["stats"]["verification"] == report
+
+
+# -- what clients call beyond completions (issue 25) ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_decode_loops_exact_record(srv):
+    """Per token: the processed target's log-prob, the exact behaviour log-prob (the law the rule drew
+    the token from) and the token's role, as the decode loop recorded them; their sums give the
+    response's importance weight, exp(-log_ratio) of its verification report."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "seed": 9, "logprobs": 3, "verification": {"rule": LOSSY}}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    local, _ = local_generate(PROMPT, LOSSY, 9, 16)
+    steps, lp = local.generation.steps, r["choices"][0]["logprobs"]
+    assert r["token_ids"] == local.token_ids
+    assert lp["token_roles"] == steps["role"] and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    for key, field in (("token_logprobs", "log_target"), ("behaviour_logprobs", "log_law"),
+                       ("raw_logprobs", "log_target_raw")):  # float32 rounding of batched passes: 1e-4
+        assert lp[key] == pytest.approx(steps[field], rel=1e-4, abs=1e-4), key
+    assert any(abs(a - b) > 1e-3 for a, b in zip(lp["token_logprobs"], lp["behaviour_logprobs"]))
+    ver = r["verification"]
+    assert lp["sum_behaviour_logprob"] - lp["sum_logprob"] == pytest.approx(ver["log_ratio"], abs=1e-9)
+    assert lp["log_importance_weight"] == pytest.approx(-ver["log_ratio"], abs=1e-9)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        values = list(top.values())  # the 3 most likely tokens under the processed target, in order
+        assert values == sorted(values, reverse=True) and values[0] >= value - 1e-6
+        if token in top:
+            assert top[token] == pytest.approx(value, abs=1e-5)
+    # the official client parses them; lossless: the behaviour law is the target's
+    parsed = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=6, seed=2, logprobs=0)
+    assert len(parsed.choices[0].logprobs.token_logprobs) == parsed.usage.completion_tokens
+    extra = parsed.choices[0].logprobs.model_extra
+    assert extra["behaviour_logprobs"] == parsed.choices[0].logprobs.token_logprobs
+    assert parsed.choices[0].logprobs.top_logprobs is None
+
+
+@pytest.mark.slow
+def test_chat_stream_with_logprobs_and_include_usage_as_openai(srv):
+    body = {"messages": [{"role": "user", "content": "KING."}], "max_tokens": 8, "seed": 4, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the role once
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
+    usage, last = chunks[-1], chunks[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(last["token_ids"])
+    assert all(c["usage"] is None for c in chunks[:-1])
+    content = last["choices"][0]["logprobs"]["content"]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len(content) == len(last["token_ids"])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert "".join(item["token"] for item in content).startswith(text)
+    for item in content:  # lossless: behaviour log-prob = target log-prob; the roles are the loop's
+        assert item["behaviour_logprob"] == item["logprob"] and len(item["top_logprobs"]) == 2
+        assert item["token_role"] in ("accepted", "recovered", "bonus") and item["bytes"]
+    assert last["system_fingerprint"].startswith("verispec-") and last["seed"] == 4
+
+
+@pytest.mark.slow
+def test_tokenize_detokenize_version(srv):
+    import verispec
+
+    target = srv.app.state.server.target
+    with httpx.Client(timeout=30) as client:
+        t = client.post(srv.url + "/tokenize", json={"prompt": PROMPT}).json()
+        assert t["tokens"] == target.encode(PROMPT) and t["count"] == len(t["tokens"])
+        assert client.post(srv.url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": PROMPT}
+        chat = client.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "KING."}]})
+        assert chat.json()["tokens"] == target.encode("KING.\n")  # no chat template: contents + newline
+        assert client.get(srv.url + "/version").json() == {"version": verispec.__version__}
+        for path, bad, param in (("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "x"},
+                                 "tokens"), ("/tokenize", {"prompt": 5}, "prompt"),
+                                 ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+                                 ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model")):
+            resp = client.post(srv.url + path, json=bad)
+            assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, (bad, resp.text)
+        raw = client.post(srv.url + "/tokenize", content=b'{"prompt": "x\\ud800"}',
+                          headers={"content-type": "application/json"})
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
+
+
+def test_response_tv_guardrail_warning_and_greedy_policy():
+    """--max-tv-per-response bounds the certified TV of a whole response, min(1, max_tokens x tv); a
+    budget certificate that reaches 1 comes with a warning; rule greedy at T > 0 (it ignores T) is
+    refused unless the operator allows it. Checked on the request parser (no HTTP needed)."""
+    from verispec.serving.app import Server
+
+    def parse_with(config: ServeConfig, **body):
+        return Server(config).parse_request({"prompt": PROMPT, **body}, chat=False)
+
+    capped = ServeConfig(target="default", draft="default-draft", max_tv_per_response=0.5)
+    assert parse_with(capped, max_tokens=8, verification={"rule": "budget:tv=0.05"}).warnings == []  # 0.4
+    for rule, max_tokens in (("budget:tv=0.05", 20), ("lenience:l=0.5", 4)):
+        with pytest.raises(APIError) as err:
+            parse_with(capped, max_tokens=max_tokens, verification={"rule": rule})
+        assert err.value.code == "rule_not_certifiable" and "--max-tv-per-response" in err.value.message
+    assert parse_with(capped, max_tokens=500, verification={"rule": "lossless"}).warnings == []
+    open_ = ServeConfig(target="default", draft="default-draft")
+    warned = parse_with(open_, max_tokens=24, verification={"rule": "budget:tv=0.05"}).warnings
+    assert len(warned) == 1 and "certifies nothing" in warned[0]
+    with pytest.raises(APIError, match="ignore temperature=1"):
+        parse_with(open_, verification={"rule": "greedy"})
+    assert parse_with(open_, temperature=0, verification={"rule": "greedy"}).rule.name == "greedy"
+    allowed = ServeConfig(target="default", draft="default-draft", allow_greedy_sampling=True)
+    assert parse_with(allowed, verification={"rule": "greedy"}).rule.name == "greedy"
+
+
+@pytest.mark.slow
+def test_n_choices_each_with_its_own_seed_and_report(srv):
+    """`n` choices decode as n rows of one request: choice i with seed + i, its own report and token ids
+    (equal to `generate` with that seed, but for a rare float-rounding flip of batched passes, as in
+    test_concurrent_requests_equal_alone); usage counts the prompt once and every choice's tokens."""
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=10, seed=20, n=3,
+                                      extra_body={"verification": {"rule": LOSSY}})
+    assert [c.index for c in r.choices] == [0, 1, 2] and "verification" not in r.model_extra
+    differ = 0
+    for i, c in enumerate(r.choices):
+        extra = c.model_extra
+        assert extra["seed"] == 20 + i and extra["verification"]["tokens"] == len(extra["token_ids"])
+        local, report = local_generate(PROMPT, LOSSY, 20 + i, 10)
+        if extra["token_ids"] != local.token_ids:
+            differ += 1
+            continue
+        assert c.text == local.text
+        same_report(extra["verification"], report)
+    assert differ <= 1
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    assert r.usage.prompt_tokens == len(local.prompt_ids)
+    # streamed chat: the choices' chunks interleave; each choice ends with its own fields
+    body = dict(model="default", messages=[{"role": "user", "content": "KING."}], n=2, max_tokens=6, seed=5)
+    chunks = list(srv.client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                     **body))
+    texts, finals = {0: "", 1: ""}, {}
+    for c in chunks[:-1]:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finals[choice.index] = choice.model_extra
+    assert sorted(finals) == [0, 1] and [finals[0]["seed"], finals[1]["seed"]] == [5, 6]
+    whole = srv.client.chat.completions.create(**body)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_openapi_documents_the_verification_report(srv):
+    """/openapi.json has the report's schema, with exactly the fields a response carries (no drift)."""
+    schema = httpx.get(srv.url + "/openapi.json", timeout=30).json()
+    report = schema["components"]["schemas"]["VerificationReport"]["properties"]
+    r = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=4, seed=1,
+                                      extra_body={"verification": {"rule": LOSSY}})
+    ver = r.model_extra["verification"]
+    assert set(report) == set(ver)
+    position = report["acceptance_per_position"]["items"]["properties"]
+    assert set(position) == set(ver["acceptance_per_position"][0])
+    assert set(report["certificate"]["properties"]) == set(ver["certificate"])
+    assert all(field.get("description") or field.get("items") for field in report.values())
+    ok = schema["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert ok["schema"]["$ref"] == "#/components/schemas/VerispecResponseFields"

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from verispec.api import GenerateResult, generate
+from verispec.version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["GenerateResult", "generate"]
+__all__ = ["GenerateResult", "__version__", "generate"]

@@ -13,6 +13,7 @@ import torch
 from verispec import defaults
 from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
+from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, measure_costs
@@ -27,8 +28,12 @@ class GenerateResult:
     generation: Generation
 
     def to_json(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
-                "stats": self.stats}
+        out = {"text": self.text, "token_ids": self.token_ids, "prompt_ids": self.prompt_ids,
+               "stats": self.stats}
+        if self.generation.steps is not None:  # per token: target and behaviour log-probs, role; sums
+            entries = token_logprobs(self.generation, len(self.token_ids))
+            out["logprobs"] = {"tokens": entries, **totals(entries)}
+        return out
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -12,7 +11,9 @@ import threading
 
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, resolve_target
-from verispec.evaluation.ray_executor import RayExecutorError, RayOptions
+from verispec.evaluation.ray_executor import RayExecutorError
+from verispec.jsonsafe import json_safe
+from verispec.ray_cluster import RayOptions
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SweepLockedError
 from verispec.evaluation.sweep import SweepSpec, run_sweep
@@ -67,18 +68,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--eta", type=float, default=None)
-
-
-def json_safe(obj):
-    """NaN -> null and +-inf -> "inf"/"-inf", recursively (strict JSON has neither)."""
-
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -137,11 +126,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
                      dtype=args.dtype, draft_dtype=args.draft_dtype)
     ray_options = None
-    ray_flags = {"--address": args.address, "--workers": args.workers, "--worker-cpus": args.worker_cpus,
+    ray_flags = {"--ray-address": args.ray_address, "--workers": args.workers, "--ray-cpus": args.ray_cpus,
                  "--max-restarts": args.max_restarts}
     if args.executor == "ray":
-        ray_options = RayOptions(address=args.address, workers=args.workers,
-                                 worker_cpus=1.0 if args.worker_cpus is None else args.worker_cpus,
+        ray_options = RayOptions(address=args.ray_address, workers=args.workers,
+                                 worker_cpus=1.0 if args.ray_cpus is None else args.ray_cpus,
                                  max_restarts=args.max_restarts or 0)
     elif any(v is not None for v in ray_flags.values()):
         given = ", ".join(flag for flag, v in ray_flags.items() if v is not None)
@@ -176,36 +165,71 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from verispec.serve import ServeConfig, serve
+    from verispec.serving.config import ServeConfig, check_port
 
+    # every setting is checked before anything loads or listens (ValueError: a clear message, exit 2)
+    check_port(args.port)
     config = ServeConfig(
         target=args.target, draft=args.draft, rule=args.rule, k=args.k,
         allow_rules=tuple(args.allow_rules) if args.allow_rules else None,
-        max_tv_per_token=args.max_tv_per_token,
+        max_tv_per_token=args.max_tv_per_token, max_tv_per_response=args.max_tv_per_response,
+        allow_greedy_sampling=args.allow_greedy_sampling, max_n=args.max_n,
         max_queue=args.max_queue, max_batch=args.max_batch, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
+        shutdown_grace=args.shutdown_grace,
     )
     if not args.ray:
         for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
-                            ("--num-cpus-per-replica", args.num_cpus_per_replica),
-                            ("--ray-deploy-timeout", args.ray_deploy_timeout)):
+                            ("--ray-cpus", args.ray_cpus), ("--ray-deploy-timeout", args.ray_deploy_timeout)):
             if value is not None:
                 raise ValueError(f"{flag} applies to Ray Serve only: add --ray")
+        check_device(args.device)
+        from verispec.serving.app import serve  # the serve extra (fastapi, uvicorn)
+
         serve(config, host=args.host, port=args.port, log_level=args.log_level)
         return 0
-    from verispec.serve_ray import RayOptions, RayServeError, serve_on_ray
+    from verispec.serving.ray import RayServeError, serve_on_ray  # the ray extra
 
-    options = RayOptions(replicas=1 if args.replicas is None else args.replicas,
-                         num_cpus=1.0 if args.num_cpus_per_replica is None else args.num_cpus_per_replica,
-                         address=args.ray_address,
-                         deploy_timeout=600.0 if args.ray_deploy_timeout is None else args.ray_deploy_timeout)
+    timeout = 600.0 if args.ray_deploy_timeout is None else args.ray_deploy_timeout
+    options = RayOptions(workers=1 if args.replicas is None else args.replicas, address=args.ray_address,
+                         worker_cpus=1.0 if args.ray_cpus is None else args.ray_cpus, ready_timeout_s=timeout)
     try:
         serve_on_ray(config, options, host=args.host, port=args.port, log_level=args.log_level)
     except RayServeError as err:  # Ray missing, no cluster, too few CPUs, a replica that cannot start
         print(f"verispec: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: still works, with a warning naming the new one."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"verispec: warning: {option_string} is deprecated; use {self.new} (the same flag for bench "
+              "and serve)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_ray_args(parser, command: str) -> None:
+    """The Ray flags `bench --executor ray` and `serve --ray` share (`verispec.ray_cluster.RayOptions`)."""
+    parser.add_argument("--ray-address", default=None,
+                        help="the Ray cluster: auto (the one `ray start --head` runs on this machine), "
+                             "HOST:PORT, or ray://HOST:10001 (Ray Client); default: $RAY_ADDRESS, else a new "
+                             "local Ray instance sized to this machine")
+    parser.add_argument("--ray-cpus", type=float, default=None,
+                        help=f"CPUs Ray reserves for each {'worker' if command == 'bench' else 'replica'}, "
+                             "and its torch threads (default 1)")
+    old = {"bench": [("--address", "ray_address", str, "--ray-address"),
+                     ("--worker-cpus", "ray_cpus", float, "--ray-cpus")],
+           "serve": [("--num-cpus-per-replica", "ray_cpus", float, "--ray-cpus")]}[command]
+    for flag, dest, kind, new in old:
+        parser.add_argument(flag, dest=dest, type=kind, action=DeprecatedFlag, new=new, default=None,
+                            help=f"deprecated: {new}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -276,16 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "model pair, decode the units and this process writes the rows (needs "
                             "pip install \"verispec[ray]\"); same rows either way, and --resume works "
                             "across executors")
-    bench.add_argument("--address", default=None,
-                       help="with --executor ray: the cluster: auto (the one `ray start` runs), HOST:PORT, "
-                            "or ray://HOST:10001 (Ray Client); default: $RAY_ADDRESS, else a new local Ray "
-                            "instance sized to this machine")
     bench.add_argument("--workers", type=int, default=None,
                        help="with --executor ray: workers (actors) to start; default: as many as the "
                             "cluster's free CPUs fit (free GPUs too with --device cuda)")
-    bench.add_argument("--worker-cpus", type=float, default=None,
-                       help="with --executor ray: CPUs each worker asks Ray for, and its torch threads "
-                            "(default 1)")
+    add_ray_args(bench.add_argument_group("with --executor ray"), "bench")
     bench.add_argument("--max-restarts", type=int, default=None,
                        help="with --executor ray: times Ray may restart a dead worker (default 0); its units "
                             "are redone by the other workers either way")
@@ -321,7 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-tv-per-token", type=float, default=None,
                      help="refuse rules that cannot certify this per-token TV to the target (lossless and "
                           "budget:tv<=X can)")
-    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting to start; more get 503")
+    srv.add_argument("--max-tv-per-response", type=float, default=None,
+                     help="refuse requests whose certified TV of the whole response (per-token bound x "
+                          "max_tokens, capped at 1) exceeds this")
+    srv.add_argument("--allow-greedy-sampling", action="store_true",
+                     help="allow rule 'greedy' at temperature > 0 (it returns argmax text, ignoring the "
+                          "temperature; refused by default)")
+    srv.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
+    srv.add_argument("--shutdown-grace", type=float, default=10.0,
+                     help="seconds decoding requests get to finish after SIGTERM; then they (and every "
+                          "waiting request, at once) are answered 503 shutting_down")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting beyond the free batch rows; more get 503")
     srv.add_argument("--max-batch", type=int, default=32, help="rows decoding at once")
     srv.add_argument("--max-tokens-limit", type=int, default=1024,
                      help="largest max_tokens a request may ask")
@@ -335,11 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve as a Ray Serve deployment: --replicas copies of the server, each with its "
                           "own models and engine, behind Ray Serve's HTTP proxy on --host/--port")
     on_ray.add_argument("--replicas", type=int, default=None, help="replicas (default 1)")
-    on_ray.add_argument("--ray-address", default=None,
-                     help="the cluster to join: auto (the one `ray start --head` started on this machine), "
-                          "HOST:PORT or ray://HOST:PORT (default: $RAY_ADDRESS, else a new local instance)")
-    on_ray.add_argument("--num-cpus-per-replica", type=float, default=None,
-                     help="CPUs Ray reserves for each replica; also its torch threads (default 1)")
+    add_ray_args(on_ray, "serve")
     on_ray.add_argument("--ray-deploy-timeout", type=float, default=None,
                      help="seconds for every replica to load the models and start (default 600)")
     srv.set_defaults(func=cmd_serve)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import socket
+from dataclasses import dataclass
 
 INSTALL_HINT = 'pip install "verispec[ray]"'
 RAY_CLIENT_PORT = 10001
@@ -21,6 +23,37 @@ START_HINT = ("start one there with `ray start --head` (GCS port 6379, Ray Clien
 AUTH_HINT = ("if the cluster uses token authentication (Ray's default for new local clusters since 2.59), "
              "set RAY_AUTH_MODE=token here too, with the cluster's token in ~/.ray/auth_token or "
              "RAY_AUTH_TOKEN")
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Where and how wide verispec runs on Ray, for `bench --executor ray` (sweep workers) and
+    `serve --ray` (server replicas): one set of flags, `--ray-address` and `--ray-cpus` for both.
+    None of it changes results (a sweep may be resumed with other options, or with the local executor)."""
+
+    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance; "auto"; HOST:PORT; ray://...
+    workers: int | None = None  # sweep workers (None: as many as the free CPUs/GPUs fit) or server replicas
+    worker_cpus: float = 1.0  # CPUs Ray reserves for each worker/replica (`--ray-cpus`); its torch threads
+    max_restarts: int = 0  # bench: times Ray may restart a dead worker (its units are redone meanwhile)
+    max_in_flight: int = 2  # bench: units handed to one worker at a time
+    ready_timeout_s: float = 120.0  # every worker/replica must be placed, load its models and answer by then
+
+    def validate(self) -> None:
+        """ValueError naming the flag for an option no run can use."""
+        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
+            raise ValueError("--ray-address must be auto, HOST:PORT or ray://HOST:PORT, "
+                             f"got {self.address!r}")
+        for name, flag, low in (("workers", "--workers/--replicas", 1), ("max_restarts", "--max-restarts", 0),
+                                ("max_in_flight", "max_in_flight", 1)):
+            value = getattr(self, name)
+            if value is None and name == "workers":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+        for name, flag in (("worker_cpus", "--ray-cpus"), ("ready_timeout_s", "the Ray ready timeout")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{flag} must be a number > 0, got {value!r}")
 
 
 def require(module: str, needed_by: str, what: str = "Ray"):

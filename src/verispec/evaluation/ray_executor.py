@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec import ray_cluster
+from verispec.ray_cluster import RayOptions
 from verispec.evaluation.store import ResultsFile
 from verispec.models.hf import proc_kib_field
 
@@ -57,33 +58,6 @@ def import_ray():
         raise RayExecutorError(str(err)) from None
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    """Where and how wide a sweep runs on Ray (none of it changes the results, so none of it is a
-    sweep setting: a sweep may be resumed with other options, or with the local executor)."""
-
-    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance; "auto"; HOST:PORT; ray://...
-    workers: int | None = None  # None: as many as the cluster's free CPUs (and GPUs for cuda) fit
-    worker_cpus: float = 1.0  # CPUs each worker asks Ray for; its torch threads
-    max_restarts: int = 0  # times Ray may restart a dead worker (its units are redone meanwhile)
-    max_in_flight: int = 2  # units handed to one worker at a time
-    ready_timeout_s: float = 120.0  # every worker must be placed and answer within this
-
-    def validate(self) -> None:
-        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
-            raise ValueError(f"Ray address must be auto, HOST:PORT or ray://HOST:PORT, got {self.address!r}")
-        for name, low in (("workers", 1), ("max_restarts", 0), ("max_in_flight", 1)):
-            value = getattr(self, name)
-            if value is None and name == "workers":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("worker_cpus", "ready_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-
-
 def check_ray_spec(spec) -> None:
     """The sweep settings the Ray executor supports: each worker runs on the CPU or on its own GPU."""
     if spec.device not in ("cpu", "cuda"):
@@ -94,7 +68,7 @@ def check_ray_spec(spec) -> None:
 def connect(ray, address: str | None) -> bool:
     """Connect this process to Ray (`ray_cluster.connect`: `address`, else $RAY_ADDRESS, else a new local
     instance); True when this call connected, so the caller disconnects. Workers' logs stay in Ray's files."""
-    return ray_cluster.connect(ray, address, "--address", LOCAL_OBJECT_STORE_BYTES, quiet=True)
+    return ray_cluster.connect(ray, address, "--ray-address", LOCAL_OBJECT_STORE_BYTES, quiet=True)
 
 
 def plan_workers(ray, options: RayOptions, device: str) -> int:
@@ -122,7 +96,7 @@ def plan_workers(ray, options: RayOptions, device: str) -> int:
         have += f" and {gpus:g} of {total.get('GPU', 0.0):g} GPUs"
     each = f"{options.worker_cpus:g} CPU" + (" + 1 GPU" if device == "cuda" else "")
     fix = (f"use --workers {fit} or fewer, or add nodes" if fit >= 1
-           else "free some, add nodes, or lower --worker-cpus")
+           else "free some, add nodes, or lower --ray-cpus")
     raise ValueError(f"not enough Ray resources for {want} worker(s) of {each} each: the cluster has {have} "
                      f"available; {fix}")
 

@@ -1,4 +1,4 @@
-"""`verispec serve --ray`: the app of `verispec.serve.create_app` as a Ray Serve deployment.
+"""`verispec serve --ray`: the app of `verispec.serving.app.create_app` as a Ray Serve deployment.
 
 N replicas behind Ray Serve's HTTP proxy on --host/--port; each replica is a Ray actor that loads the
 target and draft once and runs its own continuous-batching `Engine`, so the endpoints, responses and
@@ -10,10 +10,12 @@ The app is built inside each replica (`serve.ingress` with a builder function, e
 start), and Ray Serve runs the FastAPI lifespan there: startup starts the replica's engine thread, and
 replica shutdown (the `__del__` of the ingress wrapper) stops it.
 
-Before deploying: the cluster is reachable (a TCP check of --ray-address, since `ray.init` retries an
-unreachable address for minutes), and it has the CPUs for replicas x num_cpus. While deploying: the
-application's status is polled until RUNNING, DEPLOY_FAILED (a replica that cannot start: its
-exception is in the error) or the deploy timeout.
+Options are `verispec.ray_cluster.RayOptions` (the same as the Ray sweep executor's): `workers` is the
+number of replicas (None: 1), `worker_cpus` each replica's CPUs (`--ray-cpus`), `ready_timeout_s` the
+deploy timeout. Before deploying: the cluster is reachable (a TCP check of --ray-address, since
+`ray.init` retries an unreachable address for minutes), and it has the CPUs for replicas x CPUs.
+While deploying: the application's status is polled until RUNNING, DEPLOY_FAILED (a replica that
+cannot start: its exception is in the error) or the deploy timeout.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import logging
 import math
 import re
 import signal
+import sys
 import threading
 import time
-from dataclasses import dataclass
+
+import torch
 
 from verispec import ray_cluster
-from verispec.serve import ServeConfig
+from verispec.ray_cluster import RayOptions
+from verispec.serving.app import create_app
+from verispec.serving.config import ServeConfig
 
 APP_NAME = "verispec"
 DEPLOYMENT_NAME = "VerispecServer"
@@ -39,23 +45,11 @@ class RayServeError(RuntimeError):
     """`verispec serve --ray` could not start: the message says why and what to do."""
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    """How the app is deployed on Ray (the `verispec serve --ray` flags)."""
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2  # a local instance's object store (serving barely uses it)
 
-    replicas: int = 1
-    num_cpus: float = 1.0  # per replica
-    address: str | None = None  # None: start a local Ray instance; "auto", "HOST:PORT", "ray://HOST:PORT"
-    deploy_timeout: float = 600.0  # seconds for every replica to load its models and start
-    local_object_store_bytes: int = 256 * 1024**2  # a local instance's object store (serving barely uses it)
 
-    def __post_init__(self):
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"--replicas must be a positive integer, got {self.replicas!r}")
-        if not self.num_cpus > 0:
-            raise ValueError(f"--num-cpus-per-replica must be > 0, got {self.num_cpus!r}")
-        if not self.deploy_timeout > 0:
-            raise ValueError(f"--ray-deploy-timeout must be > 0 seconds, got {self.deploy_timeout!r}")
+def replicas(options: RayOptions) -> int:
+    return 1 if options.workers is None else options.workers
 
 
 def import_ray():
@@ -75,38 +69,35 @@ def connect(ray, options: RayOptions) -> bool:
     `ray_cluster.connect`). True if this call initialised Ray (the caller then calls `ray.shutdown()`);
     False for a driver already connected (e.g. a test's `ray.init`), which is used as is."""
     try:
-        return ray_cluster.connect(ray, options.address, "--ray-address", options.local_object_store_bytes)
+        return ray_cluster.connect(ray, options.address, "--ray-address", LOCAL_OBJECT_STORE_BYTES)
     except (ConnectionError, ValueError) as err:
         raise RayServeError(str(err)) from None
 
 
 def check_capacity(ray, options: RayOptions) -> None:
     """RayServeError, before anything is deployed, if the cluster lacks the CPUs for every replica."""
-    need = options.replicas * options.num_cpus
+    n = replicas(options)
+    need = n * options.worker_cpus
     total = ray.cluster_resources().get("CPU", 0.0)
     free = ray.available_resources().get("CPU", 0.0)
     if need > free + 1e-9:
         raise RayServeError(
-            f"not enough CPUs for {options.replicas} replica(s) x {options.num_cpus:g} CPU(s) = {need:g} "
+            f"not enough CPUs for {n} replica(s) x {options.worker_cpus:g} CPU(s) = {need:g} "
             f"CPUs: the Ray cluster has {free:g} of its {total:g} CPUs available; use fewer --replicas, "
-            "a smaller --num-cpus-per-replica, or add nodes (`ray start --address ...` on each)")
+            "a smaller --ray-cpus, or add nodes (`ray start --address ...` on each)")
 
 
 # -- the deployment --------------------------------------------------------------------------------
 
 
 def build_application(config: ServeConfig, options: RayOptions):
-    """The Ray Serve application: `create_app(config)` built in each of `options.replicas` replicas."""
+    """The Ray Serve application: `create_app(config)` built in each of `replicas(options)` replicas."""
     from ray import serve
 
     def build():  # runs in the replica, after its actor starts: loads the models there
         from ray import serve as replica_serve
 
-        import torch
-
-        from verispec.serve import create_app
-
-        torch.set_num_threads(max(1, math.floor(options.num_cpus)))  # the CPUs Ray reserved for it
+        torch.set_num_threads(max(1, math.floor(options.worker_cpus)))  # the CPUs Ray reserved for it
         return create_app(config, replica=replica_serve.get_replica_context().replica_tag)
 
     class VerispecReplica:
@@ -117,8 +108,8 @@ def build_application(config: ServeConfig, options: RayOptions):
 
     ingress = serve.ingress(build)(VerispecReplica)
     deployment = serve.deployment(
-        ingress, name=DEPLOYMENT_NAME, num_replicas=options.replicas,
-        ray_actor_options={"num_cpus": options.num_cpus},
+        ingress, name=DEPLOYMENT_NAME, num_replicas=replicas(options),
+        ray_actor_options={"num_cpus": options.worker_cpus},
         # the engine's own limits apply in each replica (503 queue_full past them); the proxy keeps at
         # most max_queue more per caller, then answers 503 itself
         max_ongoing_requests=config.max_batch + config.max_queue, max_queued_requests=config.max_queue,
@@ -210,7 +201,7 @@ def deploy(serve, config: ServeConfig, options: RayOptions, host: str = "127.0.0
         serve.start(http_options={"host": host, "port": port}, logging_config=logging_config(log_level))
         serve._run(build_application(config, options), _blocking=False, name=APP_NAME, route_prefix="/",
                    logging_config=logging_config(log_level))
-        wait_running(serve, options.deploy_timeout, stop)
+        wait_running(serve, options.ready_timeout_s, stop)
     except BaseException:
         shut_down(serve)
         raise
@@ -221,6 +212,7 @@ def start(config: ServeConfig, options: RayOptions, host: str = "127.0.0.1", por
           stop: threading.Event | None = None, log_level: str = "info") -> tuple[object, object, bool]:
     """Connect (or start Ray), check capacity, deploy, wait until every replica runs. Returns (ray, serve,
     owns_ray): with owns_ray, `ray.shutdown()` is the caller's. On failure nothing is left behind."""
+    options.validate()
     ray, serve = import_ray()
     owns_ray = connect(ray, options)
     try:
@@ -241,9 +233,8 @@ def serve_on_ray(config: ServeConfig, options: RayOptions, host: str = "127.0.0.
     The SIGINT/SIGTERM handlers go in after `ray.init`, which installs its own (SIGTERM: `sys.exit`, and
     the core worker's fatal-signal handler that aborts the process); they stay until the end, so a
     second signal does not cut the clean-up short."""
-    import sys
-
     stop = stop or threading.Event()
+    options.validate()
     ray, serve = import_ray()
     owns_ray = connect(ray, options)
     previous = {}
@@ -258,7 +249,7 @@ def serve_on_ray(config: ServeConfig, options: RayOptions, host: str = "127.0.0.
                 print(f"verispec serve: Ray Serve already ran on this cluster with its proxies on "
                       f"{where[0]}:{where[1]}, which it keeps (not --host {host} --port {port})",
                       file=sys.stderr, flush=True)
-            print(f"verispec serve: {options.replicas} replica(s) of '{config.target}' on Ray Serve at "
+            print(f"verispec serve: {replicas(options)} replica(s) of '{config.target}' on Ray Serve at "
                   f"http://{where[0]}:{where[1]} (Ctrl-C to stop)", file=sys.stderr, flush=True)
             while not stop.wait(0.5):  # a timeout: the signal handler runs between waits
                 pass

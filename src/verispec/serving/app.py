@@ -1,0 +1,655 @@
+"""`verispec serve`: an OpenAI-compatible server whose every response carries its verification report.
+
+Endpoints: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics` (Prometheus).
+Every response (the last chunk when streaming) carries `verification`: the object
+`verispec.decode.verification_report` builds for the generation (the same as
+`verispec.generate(...).stats["verification"]` and `verispec run --json`), plus `seed` (to reproduce it).
+
+This module is the HTTP side: request parsing (every malformed body gets a 4xx in OpenAI's error
+shape), the FastAPI app and its middleware, and `serve` (uvicorn, with a shutdown that drains the
+engine: `verispec.serving.engine`). `verispec serve --ray` (`verispec.serving.ray`) runs this same app
+in each replica of a Ray Serve deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import uvicorn  # the `serve` extra: pip install "verispec[serve]"
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
+from starlette.exceptions import HTTPException
+
+from verispec import defaults
+from verispec.version import __version__ as VERSION
+from verispec.api import (as_dtype, check_device, encode_messages, encode_prompt, resolve_drafter,
+                          resolve_target)
+from verispec.decode import Generation
+from verispec.jsonsafe import json_safe
+from verispec.rules import Rule, parse
+from verispec.sampling import SamplingConfig
+from verispec.serving.config import MAX_SEED, APIError, ServeConfig, certifiable_tv, check_policy, check_port
+from verispec.serving.engine import Engine, Job, Params, QueueFull
+from verispec.logprobs import token_logprobs
+from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
+from verispec.serving.metrics import Metrics
+from verispec.serving.schema import SCHEMAS
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT = f"verispec-{VERSION}"  # the backend's configuration, OpenAI's meaning (the seed is in `seed`)
+MAX_BODY_DEPTH = 32  # nesting levels a request body may have (a chat request needs 4)
+
+
+def _number(body: dict, key: str, kind=float, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, default=None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok_type = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type:
+        what = "an integer" if kind is int else "a number"
+        raise APIError(400, f"'{key}' must be {what}, got {value!r}", key)
+    if not math.isfinite(value):
+        raise APIError(400, f"'{key}' must be finite, got {value!r}", key)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise APIError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {value!r}", key)
+    if hi is not None and value > hi:
+        raise APIError(400, f"'{key}' must be <= {hi}, got {value!r}", key)
+    return kind(value)
+
+
+def check_body(body) -> None:
+    """APIError (400) for a body nested deeper than MAX_BODY_DEPTH or holding a string that is not
+    Unicode text (a lone surrogate such as "\\ud800": valid JSON, but no tokenizer can encode it).
+    Iterative: a hostile body cannot exhaust the stack here."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            check_text(value, where)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_BODY_DEPTH:
+                raise APIError(400, f"the request body is nested more than {MAX_BODY_DEPTH} levels deep "
+                                    f"(at '{where}')", _param(where))
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not isinstance(key, str) or not key.isascii():
+                        check_text(key, f"{where}.<field name>" if where else "<field name>")
+                    stack.append((item, f"{where}.{key}" if where else key, depth + 1))
+            else:
+                stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _param(where: str) -> str | None:
+    """The top-level field of a path such as `messages[0].content` (None for the body itself)."""
+    return where.split(".")[0].split("[")[0].replace("<field name>", "") or None
+
+
+def check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"'{where}' is not valid Unicode text: {err.reason} at character {err.start} "
+                            "(a lone UTF-16 surrogate such as \\ud800?)", _param(where)) from None
+
+
+def _token_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+# Request fields the server honours or checks (OpenAI's, plus vLLM's top_k / min_p / ignore_eos and
+# verispec's verification); any other field is refused, never ignored. `user` and `stream_options`
+# change no output; the rest must be off (best_of 1, echo false, no logprobs, penalties 0, ...).
+COMMON_FIELDS = frozenset({
+    "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+    "stream_options", "ignore_eos", "verification", "user", "best_of", "echo", "logprobs", "top_logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+
+
+def _is_off(value, off: tuple) -> bool:
+    """`value` is one of the `off` values, a bool only equal to a bool (0 is not False, True is not 1)."""
+    return any(value is None if o is None else
+               (isinstance(value, bool) == isinstance(o, bool) and value == o) for o in off)
+
+
+
+
+class Server:
+    """The models, the engine, the metrics and the request handling of one `verispec serve`."""
+
+    def __init__(self, config: ServeConfig, target=None, drafter=None):
+        self.config = config
+        if target is None:
+            check_device(config.device)  # before loading anything: `cuda` on a CPU-only torch is refused
+        plain = drafter is None if target is not None else config.draft in (None, defaults.NO_DRAFT)
+        self.default_rule = None if plain else parse(config.rule)  # a bad --rule fails before the models load
+        try:
+            check_policy(self.default_rule, config)
+        except APIError as err:
+            raise ValueError(f"the default rule is refused by the server's own guardrails: "
+                             f"{err.message}") from None
+        self.target = target if target is not None else resolve_target(config.target, config.device,
+                                                                        as_dtype(config.dtype))
+        if target is None:
+            drafter = resolve_drafter(config.draft, self.target, config.device, as_dtype(config.draft_dtype))
+        self.drafter = drafter
+        self.plain = drafter is None
+        if self.plain:
+            self.default_rule = None
+        self.model_name = config.served_model_name or getattr(self.target, "name", None) or config.target
+        self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
+                               "max_position_embeddings", None)
+        self.metrics = Metrics(config.k, self.model_name)
+        self.engine = Engine(self.target, self.drafter, config, self.metrics)
+
+    # -- parsing ------------------------------------------------------------------------------------
+    def parse_rule(self, body: dict) -> tuple[Rule | None, int]:
+        ver = body.get("verification")
+        if ver is None:
+            ver = {}
+        if not isinstance(ver, dict):
+            raise APIError(400, "'verification' must be an object like {\"rule\": \"lossless\", \"k\": 4}",
+                           "verification")
+        unknown = set(ver) - {"rule", "k"}
+        if unknown:
+            raise APIError(400, f"unknown 'verification' fields: {', '.join(sorted(unknown))} "
+                                "(known: rule, k)", "verification")
+        k = _number(ver, "k", int, 1, self.config.max_k, default=self.config.k)
+        spec = ver.get("rule")
+        if spec is None:
+            return self.default_rule, k
+        if not isinstance(spec, str):
+            raise APIError(400, f"'verification.rule' must be a rule spec string, got {spec!r}",
+                           "verification.rule", "invalid_rule")
+        if self.plain:
+            if spec in ("lossless", "plain"):
+                return None, k
+            raise APIError(400, "this server runs plain decoding (--draft none): no verification rule "
+                                f"applies, got '{spec}'", "verification.rule", "rule_not_allowed")
+        try:
+            rule = parse(spec)
+        except (ValueError, KeyError, RecursionError) as err:  # RecursionError: a spec nested too deeply
+            why = err if not isinstance(err, RecursionError) else "nested too deeply"
+            raise APIError(400, f"bad rule spec '{spec[:200]}': {why}", "verification.rule",
+                           "invalid_rule") from None
+        check_policy(rule, self.config)
+        return rule, k
+
+    def encode(self, body: dict, chat: bool) -> list[int]:
+        """The prompt's token ids ('messages' for chat, else 'prompt'); APIError (400) if unusable."""
+        try:
+            if chat:
+                if "messages" not in body:
+                    raise APIError(400, "missing 'messages'", "messages")
+                prompt_ids = encode_messages(self.target, body["messages"])
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or
+                                                                      _token_list(prompt[0])):
+                    prompt = prompt[0]
+                if prompt is None:
+                    raise APIError(400, "missing 'prompt'", "prompt")
+                if isinstance(prompt, list) and prompt and not _token_list(prompt):
+                    raise APIError(400, "one prompt per request: 'prompt' must be a string or a list of "
+                                        "token ids (send several requests for several prompts)", "prompt")
+                if not isinstance(prompt, (str, list)):
+                    raise APIError(400, "'prompt' must be a string or a list of token ids", "prompt")
+                prompt_ids = encode_prompt(self.target, prompt, chat=False)
+        except (ValueError, TypeError, OverflowError) as err:  # e.g. a token id too large for the tokenizer
+            raise APIError(400, str(err), "messages" if chat else "prompt") from None
+        if not prompt_ids:
+            raise APIError(400, "empty prompt", "messages" if chat else "prompt")
+        return prompt_ids
+
+    def parse_request(self, body, chat: bool) -> Params:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_body(body)
+        model = body.get("model", self.model_name)
+        if model not in (self.model_name, self.config.target):
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found", kind="not_found_error")
+        n = _number(body, "n", int, 1, default=1)
+        if n > self.config.max_n:
+            raise APIError(400, f"n={n!r} is more choices than this server returns per request (--max-n "
+                                f"{self.config.max_n}); send several requests", "n", "unsupported")
+        if n > self.config.max_batch + self.config.max_queue:
+            raise APIError(400, f"n={n!r} can never be admitted: this server holds "
+                                f"{self.config.max_batch + self.config.max_queue} requests", "n",
+                           "unsupported")
+        for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
+                         ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                         ("logit_bias", (None, {}))):
+            if not _is_off(body.get(key), off):
+                raise APIError(400, f"'{key}' is not supported by verispec serve", key, "unsupported")
+        if not isinstance(body.get("user", ""), str):
+            raise APIError(400, "'user' must be a string", "user")
+        options = body.get("stream_options")
+        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                                        and isinstance(options.get("include_usage", False), bool)):
+            raise APIError(400, "'stream_options' may only hold 'include_usage': true or false",
+                           "stream_options")
+        include_usage = bool((options or {}).get("include_usage", False))
+        logprobs = self.parse_logprobs(body, chat)
+        prompt_ids = self.encode(body, chat)
+        # after the prompt: a chat request with a 'prompt' is told 'messages' is missing
+        unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+        if unknown:  # never silently ignored: a misplaced "rule" would decode with the default rule
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}: verispec serve "
+                                "refuses fields it does not honour (the verification rule goes in "
+                                "'verification': {\"rule\": ..., \"k\": ...})", unknown[0], "unsupported")
+        vocab = self.target.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        # lengths
+        key = "max_tokens"
+        if chat and body.get("max_completion_tokens") is not None:
+            key = "max_completion_tokens"
+        max_tokens = _number(body, key, int, 1, self.config.max_tokens_limit,
+                             default=self.config.default_max_tokens)
+        if self.context is not None and len(prompt_ids) + max_tokens > self.context:
+            raise APIError(400, f"this model's maximum context length is {self.context} tokens; the prompt "
+                                f"has {len(prompt_ids)} and max_tokens is {max_tokens}", key,
+                           "context_length_exceeded")
+        # sampling
+        temperature = _number(body, "temperature", float, 0.0, default=1.0)
+        top_p = _number(body, "top_p", float, 0.0, 1.0, lo_open=True)
+        top_k = _number(body, "top_k", int, 1)
+        min_p = _number(body, "min_p", float, 0.0, 1.0, lo_open=True)
+        if top_k is not None and top_k >= vocab:
+            top_k = None  # keeps every token: the same law
+        if top_p == 1.0:
+            top_p = None
+        try:
+            sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        except ValueError as err:
+            raise APIError(400, str(err)) from None
+        seed = body.get("seed")
+        if seed is None:
+            seed = secrets.randbelow(MAX_SEED)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise APIError(400, f"'seed' must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise APIError(400, "'stream' must be true or false", "stream")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise APIError(400, "'ignore_eos' must be true or false", "ignore_eos")
+        rule, k = self.parse_rule(body)
+        greedy_refused = not self.config.allow_greedy_sampling and temperature > 0
+        if rule is not None and rule.name == "greedy" and greedy_refused:
+            raise APIError(400, f"rule 'greedy' returns the target's argmax whatever the temperature, so it "
+                                f"would ignore temperature={temperature:g}: send temperature 0 for greedy "
+                                "decoding (or the operator allows it with --allow-greedy-sampling)",
+                           "verification.rule", "rule_not_allowed")
+        warnings = self.check_response_tv(rule, max_tokens)
+        return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
+                      seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos,
+                      logprobs=logprobs, include_usage=include_usage, warnings=warnings, n=n)
+
+    def parse_logprobs(self, body: dict, chat: bool) -> int | None:
+        """None (no log-probabilities), or how many top alternatives each token carries. Completions:
+        `logprobs` = that count; chat: `logprobs` true, with `top_logprobs` = that count."""
+        if chat:
+            on = body.get("logprobs")
+            if on is not None and not isinstance(on, bool):
+                raise APIError(400, f"'logprobs' must be true or false, got {on!r}", "logprobs")
+            top = _number(body, "top_logprobs", int, 0, MAX_TOP_LOGPROBS)
+            if top is not None and not on:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            count = (top or 0) if on else None
+        else:
+            if body.get("top_logprobs") is not None:
+                raise APIError(400, "completions take 'logprobs': N (the top alternatives per token); "
+                                    "'top_logprobs' is the chat field", "top_logprobs", "unsupported")
+            count = _number(body, "logprobs", int, 0, MAX_TOP_LOGPROBS)
+        if count is not None and not self.config.diagnostics:
+            raise APIError(400, "log-probabilities need the per-token record this server turns off "
+                                "(--no-diagnostics)", "logprobs", "unsupported")
+        return count
+
+    def check_response_tv(self, rule: Rule | None, max_tokens: int) -> list[str]:
+        """The response-level TV guardrail (--max-tv-per-response: 400 when the certified TV of the whole
+        response, min(1, max_tokens x per-token bound), exceeds it) and a warning when the certificate
+        of a budget rule certifies nothing (its bound reaches 1)."""
+        per_token = certifiable_tv(rule)
+        bound = None if per_token is None else min(1.0, max_tokens * per_token)
+        cap = self.config.max_tv_per_response
+        if cap is not None and (bound is None or bound > cap):
+            what = "has no TV certificate" if bound is None else (
+                f"certifies only TV <= {bound:g} over max_tokens={max_tokens} ({max_tokens} x {per_token:g})")
+            raise APIError(400, f"rule '{rule.spec}' {what}; this server's --max-tv-per-response is {cap:g}: "
+                                f"use a budget rule with tv <= {cap / max_tokens:.3g}, fewer max_tokens, or "
+                                "'lossless'", "verification.rule", "rule_not_certifiable")
+        if bound is not None and per_token > 0 and bound >= 1:
+            return [f"the certificate of '{rule.spec}' over max_tokens={max_tokens} is min(1, {max_tokens} x "
+                    f"{per_token:g}) = 1: it certifies nothing; lower tv or max_tokens for a useful bound"]
+        return []
+
+
+REPLICA_HEADER = "x-verispec-replica"
+
+
+class ReplicaHeader:
+    """ASGI middleware: every HTTP response (streams included) names the replica that served it, in the
+    `x-verispec-replica` header (`verispec serve --ray`: each replica has its own engine and metrics)."""
+
+    def __init__(self, app, replica: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def create_app(config: ServeConfig | None = None, target=None, drafter=None, server: Server | None = None,
+               replica: str | None = None):
+    """The ASGI app (FastAPI). Models load here (once); the engine thread runs while the app is up.
+    `replica` (a Ray Serve replica's id, `verispec.serving.ray`): every response carries it in the
+    `x-verispec-replica` header, `/health` in `replica`, and `/metrics` in `verispec:replica_info`."""
+    server = server or Server(config or ServeConfig(), target, drafter)
+    engine = server.engine
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="verispec serve", version=VERSION, lifespan=lifespan)
+
+    def openapi() -> dict:
+        """FastAPI's schema plus the verification report's and the log-probabilities' (serving/schema.py)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    with_report = {200: {"description": "OpenAI's response, plus verispec's fields (VerispecResponseFields)",
+                         "content": {"application/json": {"schema": {
+                             "$ref": "#/components/schemas/VerispecResponseFields"}}}}}
+    app.state.server = server
+    if replica is not None:
+        Gauge("verispec:replica_info", "The replica that served this exposition (always 1)", ["replica"],
+              registry=server.metrics.registry).labels(replica=replica).set(1)
+        app.add_middleware(ReplicaHeader, replica=replica)
+
+    def error(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, err: APIError):
+        return error(err)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error(APIError(err.status_code, str(err.detail), kind=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, err):
+        return error(APIError(400, str(err)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, err: Exception):  # a bug: still OpenAI's shape, never plain text
+        log.error("unexpected error on %s: %r", request.url.path, err, exc_info=err)
+        return error(APIError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error"))
+
+    @app.get("/health")
+    async def health():
+        """200 while the engine thread runs; 503 once it has died (a probe by status code sees it)."""
+        status = "ok" if engine.alive else ("engine_failed" if engine.error is not None else "engine_stopped")
+        state = {"status": status, "running": engine.running, "waiting": engine.waiting,
+                 "model": server.model_name}
+        if engine.error is not None:
+            state["error"] = repr(engine.error)
+        if replica is not None:
+            state["replica"] = replica
+        return JSONResponse(state, status_code=200 if engine.alive else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's /tokenize: {"prompt": text} (or chat "messages") -> {"tokens", "count", "max_model_len"}."""
+        body = await json_body(request)
+        chat = "messages" in body
+        unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens"})
+        if unknown:
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}", unknown[0],
+                           "unsupported")
+        if not isinstance(body.get("add_special_tokens", True), bool):
+            raise APIError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+        if not chat and not isinstance(body.get("prompt"), str):
+            raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+        ids = server.encode(body, chat)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        body = await json_body(request)
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise APIError(400, f"unsupported field(s) {', '.join(map(repr, unknown))}", unknown[0],
+                           "unsupported")
+        ids = body.get("tokens")
+        vocab = server.target.vocab_size
+        if not _token_list(ids) or any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": server.target.decode(ids)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "verispec"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def json_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the request body is not valid JSON: {err}") from None
+        except RecursionError:  # the JSON parser recurses per nesting level
+            raise APIError(400, f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} "
+                                "levels)") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_body(body)
+        model = body.get("model", server.model_name)
+        if model not in (server.model_name, server.config.target):
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{server.model_name}'", "model", "model_not_found", kind="not_found_error")
+        return body
+
+    async def handle(request: Request, chat: bool):
+        params = server.parse_request(await json_body(request), chat)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(id=engine.new_id(), params=replace(params, seed=(params.seed + i) % (MAX_SEED + 1)),
+                    loop=loop, events=events, index=i) for i in range(params.n)]
+        try:
+            engine.submit(jobs)
+        except QueueFull:
+            raise APIError(503, f"the server is at capacity ({server.config.max_batch} decoding + "
+                                f"{server.config.max_queue} queued requests); retry later", code="queue_full",
+                           kind="server_error", headers={"Retry-After": "1"}) from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].id}-{secrets.token_hex(4)}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        returned_tokens = [0] * params.n  # per choice, once done
+
+        def cancel_all() -> None:
+            for job in jobs:
+                engine.cancel(job)  # a client gone frees its rows at the next block
+
+        def usage(prompt_tokens: int) -> dict:
+            done = sum(returned_tokens)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                    "total_tokens": prompt_tokens + done}
+
+        def choice_fields(i: int, gen: Generation, report: dict, returned: int) -> dict:
+            """A choice's own seed, token ids and verification report."""
+            return {"seed": jobs[i].params.seed, "token_ids": list(gen.token_ids[:returned]),
+                    "verification": json_safe(report)}
+
+        def top_fields(fields: dict) -> dict:
+            out = {"system_fingerprint": FINGERPRINT}
+            if params.n == 1:  # one choice: its fields at the top level too (as before n > 1 existed)
+                out.update(fields)
+            return {**out, "warnings": params.warnings} if params.warnings else out
+
+        def logprobs(gen: Generation, returned: int) -> dict | None:
+            if params.logprobs is None:
+                return None
+            decode = server.target.decode
+            entries = token_logprobs(gen, returned, params.logprobs, decode)
+            return json_safe(chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode))
+
+        def chunk(choices: list, **extra) -> str:
+            body = {"id": rid, "object": chunk_obj, "created": created, "model": params.model,
+                    "choices": choices, **extra}
+            if params.include_usage and "usage" not in body:
+                body["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
+            return f"data: {json.dumps(body)}\n\n"
+
+        if params.stream:
+            async def stream():
+                try:
+                    if chat:  # OpenAI's chat stream: the role once per choice, in a first chunk of its own
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None} for i in range(params.n)])
+                    finished, prompt_tokens = 0, len(params.prompt_ids)
+                    while finished < params.n:
+                        i, event = await events.get()
+                        if event[0] == "delta":
+                            yield chunk([{"index": i, "delta": {"content": event[1]}, "logprobs": None,
+                                          "finish_reason": None} if chat else
+                                         {"index": i, "text": event[1], "logprobs": None,
+                                          "finish_reason": None}])
+                        elif event[0] == "done":
+                            _, gen, _text, finish, report, returned = event
+                            returned_tokens[i], finished = returned, finished + 1
+                            lp = logprobs(gen, returned)  # every token's, in the chunk that ends the choice
+                            fields = choice_fields(i, gen, report, returned)
+                            last = ({"index": i, "delta": {}, "logprobs": lp, "finish_reason": finish} if chat
+                                    else {"index": i, "text": "", "logprobs": lp, "finish_reason": finish})
+                            yield chunk([last if params.n == 1 else {**last, **fields}], **top_fields(fields))
+                        else:
+                            yield f"data: {json.dumps(event[1].body())}\n\n"
+                            return
+                    if params.include_usage:  # its own last chunk, with no choices (OpenAI)
+                        yield chunk([], usage=usage(prompt_tokens))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    cancel_all()
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        results: dict[int, tuple] = {}
+        try:
+            while len(results) < params.n:
+                try:
+                    i, event = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        cancel_all()
+                        return Response(status_code=499)
+                    continue
+                if event[0] == "error":
+                    cancel_all()
+                    raise event[1]
+                if event[0] == "done":
+                    results[i] = event
+        except asyncio.CancelledError:
+            cancel_all()
+            raise
+        choices, fields = [], {}
+        for i in range(params.n):
+            _, gen, text, finish, report, returned = results[i]
+            returned_tokens[i] = returned
+            fields = choice_fields(i, gen, report, returned)
+            lp = logprobs(gen, returned)
+            choice = ({"index": i, "message": {"role": "assistant", "content": text},
+                       "finish_reason": finish, "logprobs": lp} if chat else
+                      {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+            choices.append(choice if params.n == 1 else {**choice, **fields})
+        return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": choices,
+                "usage": usage(len(params.prompt_ids)), **top_fields(fields)}
+
+    @app.post("/v1/completions", responses=with_report)
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions", responses=with_report)
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose shutdown (SIGINT/SIGTERM, or `should_exit`) first drains the engine: waiting
+    requests are answered 503 `shutting_down` at once, decoding rows get `config.shutdown_grace` seconds,
+    then end with 503 (a stream: a final error chunk), so every connection closes within the grace
+    period and uvicorn never cancels a request task (no CancelledError tracebacks)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.drain(self.grace)
+        await super().shutdown(sockets)
+
+
+def uvicorn_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> DrainingServer:
+    """The uvicorn server of `create_app`'s app: graceful shutdown bounded by the drain's grace period."""
+    server: Server = app.state.server
+    grace = server.config.shutdown_grace
+    config = uvicorn.Config(app, host=host, port=check_port(port), log_level=log_level,
+                            timeout_graceful_shutdown=grace + 5)  # the drain ends every request by then
+    return DrainingServer(config, server.engine, grace)
+
+
+def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Load the models, then run the app under uvicorn until interrupted (a draining shutdown)."""
+    check_port(port)  # before the models load
+    uvicorn_server(create_app(config), host, port, log_level).run()

@@ -1,0 +1,132 @@
+"""The server's settings (`verispec serve` flags), validated at start, and the operator's guardrails.
+
+Nothing here needs the `serve` extra: the CLI and Ray's driver validate settings before anything loads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from verispec import defaults
+from verispec.rules import Rule
+
+MAX_SEED = 2**63 - 1
+
+# ServeConfig field -> the `verispec serve` flag that sets it (named in every error)
+FLAGS = {"k": "--k", "max_k": "max_k", "max_queue": "--max-queue", "max_batch": "--max-batch",
+         "max_tokens_limit": "--max-tokens-limit", "default_max_tokens": "--default-max-tokens",
+         "max_tv_per_token": "--max-tv-per-token", "max_tv_per_response": "--max-tv-per-response",
+         "shutdown_grace": "--shutdown-grace", "max_n": "--max-n"}
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Server settings (the `verispec serve` flags). Invalid settings raise ValueError naming the flag,
+    so a server never starts in a state where every request would hang or be refused."""
+
+    target: str = defaults.TARGET
+    draft: str | None = defaults.AUTO_DRAFT  # "auto": the target's default drafter; "none" or None: plain
+    rule: str = defaults.RULE  # the server's default rule
+    k: int = defaults.K  # the default draft tokens per block
+    allow_rules: tuple[str, ...] | None = None  # rule names, families or full specs; None: all
+    max_tv_per_token: float | None = None  # refuse rules that cannot certify this per-token TV
+    max_tv_per_response: float | None = None  # refuse requests whose certified response TV exceeds this
+    allow_greedy_sampling: bool = False  # allow rule "greedy" at temperature > 0 (it ignores the temperature)
+    max_queue: int = 64  # requests waiting beyond the free batch rows
+    max_batch: int = 32  # rows decoding at once, over all groups
+    max_tokens_limit: int = 1024  # largest max_tokens accepted
+    default_max_tokens: int = defaults.MAX_NEW_TOKENS
+    max_k: int = 16
+    max_n: int = 8  # largest `n` (choices per request) accepted
+    diagnostics: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
+    draft_dtype: str = "float32"
+    served_model_name: str | None = None  # default: the target's name
+    shutdown_grace: float = 10.0  # seconds decoding rows get to finish after SIGTERM; then 503 shutting_down
+
+    def __post_init__(self):
+        for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
+                          ("max_n", 1)):
+            value = getattr(self, name)
+            if not _int(value) or value < low:
+                raise ValueError(f"{FLAGS[name]} must be an integer >= {low}, got {value!r}")
+        if not _int(self.k) or not 1 <= self.k <= self.max_k:
+            raise ValueError(f"--k must be an integer in [1, {self.max_k}], got {self.k!r}")
+        d = self.default_max_tokens
+        if not _int(d) or not 1 <= d <= self.max_tokens_limit:
+            raise ValueError(f"--default-max-tokens must be an integer in [1, --max-tokens-limit = "
+                             f"{self.max_tokens_limit}], got {d!r} (raise --max-tokens-limit, or lower it)")
+        for name in ("max_tv_per_token", "max_tv_per_response"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                    or not 0 <= cap <= 1):
+                raise ValueError(f"{FLAGS[name]} must be a total variation in [0, 1], got {cap!r}")
+        g = self.shutdown_grace
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and g >= 0):
+            raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {g!r}")
+        if self.allow_rules is not None and not self.allow_rules:
+            raise ValueError("--allow-rules needs at least one rule name, family or spec")
+
+
+def check_port(port) -> int:
+    """A TCP port to listen on: 1..65535 (uvicorn would take 99999 and listen on some other port)."""
+    if not _int(port) or not 1 <= port <= 65535:
+        raise ValueError(f"--port must be an integer in [1, 65535], got {port!r}")
+    return port
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def shutting_down(detail: str) -> APIError:
+    """503 `shutting_down` (OpenAI's shape): the server stops; the client may retry elsewhere or later."""
+    return APIError(503, f"the server is shutting down: {detail}", code="shutting_down", kind="server_error",
+                    headers={"Retry-After": "1"})
+
+
+# -- operator guardrails ---------------------------------------------------------------------------
+
+
+def certifiable_tv(rule: Rule | None) -> float | None:
+    """The per-token TV to the target a rule certifies whatever the prefix: 0 for lossless rules and
+    plain decoding, `tv` for `budget`, None (no bound) for the others."""
+    if rule is None or rule.lossless is True:
+        return 0.0
+    if rule.name == "budget":
+        return float(rule.tv)
+    return None
+
+
+def check_policy(rule: Rule | None, config: ServeConfig) -> None:
+    """Raise APIError (400) if the operator's guardrails refuse `rule` (None: plain decoding)."""
+    if rule is None:
+        return
+    if config.allow_rules is not None:
+        allowed = set(config.allow_rules)
+        if not ({rule.name, rule.family, rule.spec} & allowed):
+            raise APIError(400, f"rule '{rule.spec}' is not allowed on this server; allowed rules "
+                                f"(names, families or specs): {', '.join(config.allow_rules)}",
+                           "verification.rule", "rule_not_allowed")
+    cap = config.max_tv_per_token
+    if cap is not None:
+        tv = certifiable_tv(rule)
+        if tv is None or tv > cap:
+            raise APIError(400, f"rule '{rule.spec}' cannot certify a per-token TV to the target <= {cap:g} "
+                                f"(this server's --max-tv-per-token); use e.g. 'budget:tv={cap:g},ratio=2' "
+                                "or 'lossless'", "verification.rule", "rule_not_certifiable")

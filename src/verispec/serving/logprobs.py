@@ -1,0 +1,36 @@
+"""OpenAI's `logprobs` shapes for `verispec serve` (completions and chat), from the per-token record of
+`verispec.logprobs.token_logprobs`, plus verispec's behaviour log-probabilities, roles and sums
+(docs/design.md, 'Log-probabilities and importance weights')."""
+
+from __future__ import annotations
+
+from verispec.logprobs import totals
+
+MAX_TOP_LOGPROBS = 20
+
+
+def completion_logprobs(entries: list[dict], decode) -> dict:
+    """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) plus verispec's
+    behaviour_logprobs, raw_logprobs, token_roles and the sequence totals."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    tops = [{decode([t]): lp for t, lp in e["top"]} for e in entries] if entries and "top" in entries[0] \
+        else None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets,
+            "behaviour_logprobs": [e["behaviour_logprob"] for e in entries],
+            "raw_logprobs": [e["raw_logprob"] for e in entries], "token_roles": [e["role"] for e in entries],
+            **totals(entries)}
+
+
+def chat_logprobs(entries: list[dict], decode) -> dict:
+    """The chat shape (content: one object per token, with its top_logprobs) plus verispec's fields."""
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+    content = [{**item(e["token"], e["logprob"]), "behaviour_logprob": e["behaviour_logprob"],
+                "raw_logprob": e["raw_logprob"], "token_role": e["role"],
+                "top_logprobs": [item(decode([t]), lp) for t, lp in e.get("top", [])]} for e in entries]
+    return {"content": content, **totals(entries)}
