@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from verispec.evaluation import scorers
+from verispec.evaluation.sandbox import run_sandboxed
 from verispec.spec import Registry, split
 
 DATA = Path(__file__).parent / "data"
@@ -85,10 +86,13 @@ def arithmetic() -> Suite:
 
 def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10.0):
     def score(output: str, item: Item) -> dict[str, float]:
-        passed, reason = scorers.run_program(program_of(output, item), timeout=timeout)
+        outcome = run_sandboxed(program_of(output, item), timeout=timeout)
         # a timeout is a failure, but on a loaded machine a correct program can hit it: the row says so
         # and the report counts such rows (`report.timeout_notes`)
-        return {"pass_at_1": float(passed), "timed_out": float(reason.startswith("timeout"))}
+        metrics: dict = {"pass_at_1": float(outcome.passed), "timed_out": float(outcome.limit == "timeout")}
+        if outcome.limit not in (None, "timeout"):
+            metrics["error"] = outcome.limit  # a sandbox limit broken (docs/design.md, 'Code sandbox')
+        return metrics
     return score
 
 
