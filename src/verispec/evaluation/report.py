@@ -564,6 +564,7 @@ NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls",
 
 STRINGS = ("config", "rule", "family", "score_name")  # must be strings (prompt ids: strings or integers)
 OPTIONAL_NUMERIC = ("batch_size", "batch_seconds", "target_calls")
+ALIGNED_STEPS = ("role", "tv", "draft_confidence", "draft_over_target")
 
 
 def _number(x) -> bool:
@@ -595,6 +596,9 @@ def row_problem(row: dict) -> str | None:
         lengths = {len(v) for v in steps.values() if isinstance(v, list)}
         if len(lengths) > 1:
             wrong.append("steps (lists of different lengths)")
+        absent = [k for k in ALIGNED_STEPS if steps and k not in steps]
+        if absent:  # `summarize` indexes these together, position by position, across rows
+            wrong.append(f"steps without {', '.join(absent)}")
     if not missing and not numbers and not wrong:
         return None
     parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
