@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -153,3 +155,52 @@ def test_committed_humaneval_rows_score_the_same_in_the_sandbox():
     differ = [r["unit"] for r in sample
               if suite.score(r["text"], items[r["prompt_id"]])["pass_at_1"] != r["score"]]
     assert not differ
+
+
+def test_without_bubblewrap_it_falls_back_and_says_why(monkeypatch, caplog):
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    with caplog.at_level("WARNING", logger="verispec.evaluation.sandbox"):
+        kind, why = isolation.__wrapped__()
+    assert kind == "rlimits" and "bubblewrap is not installed" in why
+    assert "bubblewrap is not installed" in caplog.text and "may write files" in caplog.text
+    monkeypatch.setattr(sandbox, "isolation", lambda: ("rlimits", why))
+    assert run_sandboxed("assert True").passed  # the fallback still runs programs, within the limits
+    bomb = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
+    assert bomb.limit == "memory limit"
+
+
+NON_ROOT_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+outside = sandbox.run_sandboxed("open(%r, 'w').write('x')" % sys.argv[2])
+uid = sandbox.run_sandboxed("import os; assert os.getuid() == 65534")
+fork = "import os, time\\nfor _ in range(50):\\n    os.fork() or (time.sleep(3), os._exit(0))"
+bomb = sandbox.run_sandboxed(fork, limits=sandbox.Limits(processes=8))
+print(json.dumps([sandbox.isolation()[0], outside.passed, uid.passed, bomb.limit]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="needs root (to become nobody) and a system python3 nobody can run")
+def test_as_a_non_root_user_bubblewrap_runs_in_a_user_namespace(tmp_path):
+    """The same sandbox started by an unprivileged user (nobody, with the system python3: the stdlib-only
+    module loaded by path) isolates as well: bubblewrap in a user namespace, uid 65534 inside."""
+    if shutil.which("setpriv") is None or shutil.which("bwrap") is None:
+        pytest.skip("needs setpriv and bubblewrap")
+    os.chmod(tmp_path, 0o777)
+    target = tmp_path / "outside.txt"
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                           "-I", "-c", NON_ROOT_PROBE, sandbox.__file__, str(target)],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    if done.returncode != 0 and "Permission denied" in done.stderr:
+        pytest.skip(f"nobody cannot read the source tree: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    kind, wrote, uid_ok, bomb = json.loads(done.stdout.strip().splitlines()[-1])
+    if kind != "bwrap":
+        pytest.skip("bubblewrap cannot start for an unprivileged user here (no user namespaces)")
+    assert (wrote, uid_ok, bomb) == (False, True, "process limit") and not target.exists()
