@@ -589,8 +589,10 @@ def row_problem(row: dict) -> str | None:
         wrong.append("steps")
     else:
         for key, values in steps.items():
-            ok = isinstance(values, list) and all(isinstance(v, str) if key == "role" else _number(v)
-                                                  for v in values)
+            nullable = key not in ALIGNED_STEPS  # null: a diagnostic with no value there (read as missing)
+            ok = isinstance(values, list) and all(
+                isinstance(v, str) if key == "role" else _number(v) or (v is None and nullable)
+                for v in values)
             if not ok:
                 wrong.append(f"steps.{key}")
         lengths = {len(v) for v in steps.values() if isinstance(v, list)}
