@@ -26,12 +26,13 @@ import torch
 
 from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
                                       results_file, scan_rows)
-from verispec.evaluation.suites import (TARGET_LOGLIK, Item, Suite, file_fingerprint, fingerprint_changes,
-                                       load_suite)
+from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
 from verispec.decode import (DecodeConfig, Generation, autoregressive_decode, autoregressive_decode_batch,
                              speculative_decode, speculative_decode_batch)
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
+
+from verispec.evaluation.suites import file_fingerprint, fingerprint_changes  # data-file fingerprints
 
 log = logging.getLogger(__name__)
 PLAIN = "plain"
