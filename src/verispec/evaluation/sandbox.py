@@ -171,10 +171,24 @@ def _unshare_prefix() -> tuple[str, ...]:
     return ()
 
 
-def _set_limits(limits: Limits, cpu_seconds: int):
+def _process_limit(limits: Limits, root: bool) -> tuple[list[str], bool]:
+    """Where RLIMIT_NPROC is set: (a `prlimit` prefix for the program, whether to set it before the
+    launcher). It counts the processes of the caller's uid: as root (exempt itself) it is set before the
+    launcher and counts nobody's processes once `setpriv` drops to nobody. A non-root launcher that made
+    a user namespace under a small RLIMIT_NPROC would be refused whenever its user already runs more
+    processes than that (the kernel checks every namespace level), so there it is set inside, by
+    `prlimit`, and counts only the sandbox's own processes."""
+    prlimit = shutil.which("prlimit")
+    if root or prlimit is None:
+        return [], True
+    return [prlimit, f"--nproc={limits.processes}", "--"], False
+
+
+def _set_limits(limits: Limits, cpu_seconds: int, nproc: bool = True):
     def apply() -> None:  # runs in the child between fork and exec
+        if nproc:
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
         for which, value in ((resource.RLIMIT_AS, limits.memory_bytes),
-                             (resource.RLIMIT_NPROC, limits.processes),
                              (resource.RLIMIT_FSIZE, limits.file_bytes),
                              (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(which, (value, value))
@@ -207,6 +221,7 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
     cpu_seconds = limits.cpu_seconds or int(timeout) + 1
     kind, _ = isolation()
     root = os.geteuid() == 0
+    inside, nproc_before = _process_limit(limits, root)
     with tempfile.TemporaryDirectory(prefix="verispec-exec-") as tmp:
         script = Path(tmp) / "program.py"
         script.write_text(program, encoding="utf-8", errors="surrogatepass")
@@ -220,15 +235,16 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
             setenv = [a for k, v in {**env, "HOME": WORK}.items() for a in ("--setenv", k, v)]
             cmd = [*_bwrap_command(shutil.which("bwrap") or "bwrap", root), *setenv, "--bind", tmp, WORK,
                    "--chdir", WORK, *(_drop_root(shutil.which("setpriv")) if root else []),
-                   _python(), "-I", f"{WORK}/program.py"]
+                   *inside, _python(), "-I", f"{WORK}/program.py"]
         else:
             os.chmod(tmp, 0o700)
             env["HOME"] = tmp
-            cmd = [*_unshare_prefix(), _python(), "-I", str(script)]
+            cmd = [*_unshare_prefix(), *inside, _python(), "-I", str(script)]
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                    start_new_session=True, preexec_fn=_set_limits(limits, cpu_seconds))
+                                    start_new_session=True,
+                                    preexec_fn=_set_limits(limits, cpu_seconds, nproc_before))
         except OSError as err:
             return Outcome(False, f"cannot start the program: {err}")
         try:
