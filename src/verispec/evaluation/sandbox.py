@@ -10,7 +10,8 @@ runs thousands of them unattended. Each runs in a fresh Python process (`python 
   outside, its parent included), every capability dropped, and killed with its parent;
 - an **unprivileged uid**: run as root, the program runs as `nobody` (65534) outside the namespaces too
   (`setpriv` inside the sandbox), so the process limit counts nobody's processes and root's files stay
-  out of reach; run as another user, bwrap's user namespace maps it to uid 65534 inside;
+  out of reach; run as another user, bwrap's user namespace maps it to uid 65534 inside (and the
+  process limit is set inside, by `prlimit`: `_process_limit`);
 - **resource limits** (`Limits`): address space (RLIMIT_AS), processes (RLIMIT_NPROC), file size
   (RLIMIT_FSIZE) and CPU time (RLIMIT_CPU), plus the wall-clock timeout.
 
