@@ -237,11 +237,11 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    check_out_dir(out_dir)  # before anything starts: '' (the current directory), a file, an unwritable path
     if executor == "local" and ray_options is not None:
         raise ValueError("ray_options apply only to executor='ray'")
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
 
-    check_out_dir(out_dir)  # before anything starts: '' (the current directory), a file, an unwritable path
     spec.validate(device_here=executor == "local")
     if executor == "ray":
         from verispec.evaluation.ray_executor import RayOptions, check_ray_spec, import_ray
