@@ -1,6 +1,7 @@
-"""Fuzzing (issue 9): generated inputs to `verispec.generate`, `Rule.verify` / `emitted`, the spec parsers
-and the CLI either fail with a clear ValueError / TypeError (exit status 2 and `verispec: error:` for the
-CLI) or give a result whose laws are distributions and whose tokens are in range: never another
+"""Fuzzing (issues 9 and 26): generated inputs to `verispec.generate`, `Rule.verify` / `emitted`, the spec
+parsers (deep `honest:` nesting, digit separators), data files (duplicate ids, bad lines, edits between
+runs) and the CLI either fail with a clear ValueError / TypeError (exit status 2 and `verispec: error:`
+for the CLI) or give a result whose laws are distributions and whose tokens are in range: never another
 exception, a NaN in a law, or a hang. Derandomised (tests/conftest.py), deadlines off. The last test
 checks that at least 10,000 inputs ran and prints the count to stderr."""
 
