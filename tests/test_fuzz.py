@@ -1,6 +1,7 @@
-"""Fuzzing (issue 9): generated inputs to `verispec.generate`, `Rule.verify` / `emitted`, the spec parsers
-and the CLI either fail with a clear ValueError / TypeError (exit status 2 and `verispec: error:` for the
-CLI) or give a result whose laws are distributions and whose tokens are in range: never another
+"""Fuzzing (issues 9 and 26): generated inputs to `verispec.generate`, `Rule.verify` / `emitted`, the spec
+parsers (deep `honest:` nesting, digit separators), data files (duplicate ids, bad lines, edits between
+runs) and the CLI either fail with a clear ValueError / TypeError (exit status 2 and `verispec: error:`
+for the CLI) or give a result whose laws are distributions and whose tokens are in range: never another
 exception, a NaN in a law, or a hang. Derandomised (tests/conftest.py), deadlines off. The last test
 checks that at least 10,000 inputs ran and prints the count to stderr."""
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 import verispec
 from verispec.cli import main
-from verispec.evaluation.suites import load_suite
+from verispec.evaluation.suites import file_fingerprint, fingerprint_changes, load_suite
 from verispec.models import ModelDrafter, TabularModel, load_drafter, load_model
 from verispec.rules import Rule, names, parse
 
@@ -224,6 +225,88 @@ def test_fuzz_suite_spec(suite_files, name, arg, junk):
     except (ValueError, FileNotFoundError):
         return
     assert all(isinstance(item.prompt, str) for item in suite.items)
+
+
+# -- data files: duplicate ids, bad lines, edits between runs (issue 26) ----------------------------
+
+DATA_LINE = st.one_of(
+    st.builds(lambda i, q: {"id": i, "question": q, "answer": "#### 1"},
+              st.sampled_from(["a", "b", "c", "0", "1", 2]), st.text(min_size=1, max_size=6)),
+    st.builds(lambda q: {"question": q, "answer": "1"}, st.text(min_size=1, max_size=6)),  # id: its index
+    st.sampled_from(["", "   ", "{not json", "[1, 2]", "null", '"text"', "{", "{\"id\": \"x\"}"]),
+)
+
+
+@fuzz(500)
+@given(lines=st.lists(DATA_LINE, min_size=1, max_size=6))
+def test_fuzz_data_file(suite_files, lines):
+    """A gsm8k file of generated lines loads with one item per object line and unique ids, or is refused
+    naming the file and line (bad JSON, not an object), the duplicate id and its lines, or the missing
+    field; never another exception."""
+    COUNT["data_file"] += 1
+    path = suite_files / f"fuzz-{COUNT['data_file']}.jsonl"
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    try:
+        suite = load_suite(f"gsm8k:{path}")
+    except ValueError as err:
+        assert str(path) in str(err), err
+        message = str(err)
+        assert ("line" in message or "used by more than one row" in message
+                or "is not a gsm8k JSONL file" in message), message
+        return
+    objects = [x for x in lines if isinstance(x, dict)]
+    assert len(suite.items) == len(objects)
+    assert len({item.id for item in suite.items}) == len(suite.items)
+
+
+@fuzz(300)
+@given(old=st.dictionaries(st.sampled_from("abcdefg"), st.sampled_from(["1+1?", "2+2?", "3+3?"]), min_size=1),
+       new=st.dictionaries(st.sampled_from("abcdefg"), st.sampled_from(["1+1?", "2+2?", "3+3?"]), min_size=1))
+def test_fuzz_data_file_edits(suite_files, old, new):
+    """Between two runs a data file gains, loses and edits questions: the fingerprints differ exactly when
+    the bytes do, and the words name exactly the ids added, removed and edited."""
+    COUNT["data_edit"] += 1
+    paths = []
+    for tag, items in (("old", old), ("new", new)):
+        path = suite_files / f"edit-{COUNT['data_edit']}-{tag}.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "question": q, "answer": "2"}) + "\n"
+                                for i, q in items.items()))
+        paths.append(path)
+    before, after = (file_fingerprint(f"gsm8k:{p}") for p in paths)
+    assert (before["sha256"] == after["sha256"]) == (paths[0].read_bytes() == paths[1].read_bytes())
+    words = fingerprint_changes(before, after)
+    added, removed = new.keys() - old.keys(), old.keys() - new.keys()
+    edited = {i for i in old.keys() & new.keys() if old[i] != new[i]}
+    for word, ids in (("added", added), ("removed", removed), ("edited", edited)):
+        assert (f"id(s) {word}" in words) == bool(ids), words
+        if ids and len(ids) <= 5:
+            assert f"{len(ids)} id(s) {word}" in words and all(repr(i) in words for i in ids), words
+
+
+# -- spec nesting and number literals (issue 26) ----------------------------------------------------
+
+@fuzz(600)
+@given(depth=st.integers(0, 3000),
+       inner=st.sampled_from(["speccascade:min_p=0.1", "topk:k=2", "lossless", ""]),
+       value=st.sampled_from(["0.5", "0_5", "1_0", "5e-1", "5_e-1", ".5", "0.5_", "_0.5", "1__0", "١",
+                              "0.٥"]),
+       key=st.sampled_from(["lenience:l", "topk:k", "cos:w", "speccascade:min_p"]))
+def test_fuzz_spec_nesting_and_numbers(depth, inner, value, key):
+    COUNT["spec_deep"] += 1
+    spec = "honest:" * depth + inner
+    try:
+        rule = parse(spec)
+    except ValueError:
+        pass  # never RecursionError
+    else:
+        assert depth <= 1 and parse(rule.spec) == rule
+    try:
+        rule = parse(f"{key}={value}")
+    except ValueError as err:
+        if "_" in value or not value.isascii():
+            assert "not a plain decimal number" in str(err), err
+        return
+    assert "_" not in value and value.isascii()
 
 
 # -- verispec.generate on a toy pair ---------------------------------------------------------------

@@ -10,6 +10,7 @@ keys, a bad value names the key and its allowed range. See docs/design.md, secti
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -35,8 +36,17 @@ def split(spec: object, kind: str, example: str) -> tuple[str, str]:
     return name.strip(), args.strip()
 
 
+# A number as the grammar writes it: ASCII digits, an optional point and exponent, or inf. Python's
+# float()/int() also take underscores (`0_5` is 5.0) and non-ASCII digits: refused, not guessed.
+NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity)", re.ASCII | re.IGNORECASE)
+
+
 def convert(kind: str, name: str, param: Param, text: str) -> object:
     """The value of `key=text` as the parameter's type (integers may be written 3 or 3.0)."""
+    if param.kind in (int, float) and not NUMBER.fullmatch(text):
+        hint = " (digit separators '_' are not allowed)" if "_" in text else ""
+        raise ValueError(f"{kind} '{name}': {param.key}={text!r} is not a plain decimal number{hint}; "
+                         f"allowed: {param.allowed}")
     try:
         if param.kind is int:
             value = float(text)

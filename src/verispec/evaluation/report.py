@@ -251,6 +251,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
         s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
         scores = [r["score"] for r in group if _is_score(r["score"])]
+        s["scored"] = len(scores)  # rows with a finite score (`score_notes` names the others)
         s["score"], s["score_ci"] = t_interval(scores)
         s["binary_score"] = _binary(scores)
         s["score_interval"] = (wilson_interval(int(sum(scores)), len(scores)) if s["binary_score"] else
@@ -326,11 +327,13 @@ def _fmt(x, digits: int = 3) -> str:
 
 
 def _score_text(s: dict) -> str:
-    """A binary score with its Wilson interval, any other with its t half-width."""
+    """A binary score with its Wilson interval, any other with its t half-width; `(n=X of Y)` when rows
+    without a finite score were left out (`score_notes` names them)."""
+    left_out = f" (n={s['scored']} of {s['units']})" if s.get("scored", s["units"]) != s["units"] else ""
     if s.get("binary_score") and all(math.isfinite(x) for x in s["score_interval"]):
         lo, hi = s["score_interval"]
-        return f"{_fmt(s['score'])} [{lo:.2f}, {hi:.2f}]"
-    return _pm(s["score"], s["score_ci"])
+        return f"{_fmt(s['score'])} [{lo:.2f}, {hi:.2f}]{left_out}"
+    return _pm(s["score"], s["score_ci"]) + left_out
 
 
 def _p_text(s: dict) -> str:
@@ -559,6 +562,53 @@ NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls",
            "mean_tv")
 
 
+STRINGS = ("config", "rule", "family", "score_name")  # must be strings (prompt ids: strings or integers)
+OPTIONAL_NUMERIC = ("batch_size", "batch_seconds", "target_calls")
+ALIGNED_STEPS = ("role", "tv", "draft_confidence", "draft_over_target")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def row_problem(row: dict) -> str | None:
+    """What makes a row unusable by `summarize`, in words naming the field, or None: a missing key, a
+    non-number where a number is read, a non-string name, `steps` that is not lists of numbers (roles:
+    strings) of one length, `metrics` that is not an object."""
+    missing = [k for k in REQUIRED if k not in row]
+    numbers = [k for k in NUMERIC + OPTIONAL_NUMERIC if k in row and not _number(row[k])]
+    wrong = [k for k in STRINGS if k in row and not isinstance(row[k], str)]
+    wrong += [k for k in ("prompt_id", "seed")
+              if k in row and not (isinstance(row[k], str) or _number(row[k]))]
+    wrong += [k for k in ("unit", "run", "reused_from")
+              if row.get(k) is not None and not isinstance(row[k], str)]
+    if "metrics" in row and row["metrics"] is not None and not isinstance(row["metrics"], dict):
+        wrong.append("metrics")
+    steps = row.get("steps", {})
+    if not isinstance(steps, dict):
+        wrong.append("steps")
+    else:
+        for key, values in steps.items():
+            nullable = key not in ALIGNED_STEPS  # null: a diagnostic with no value there (read as missing)
+            ok = isinstance(values, list) and all(
+                isinstance(v, str) if key == "role" else _number(v) or (v is None and nullable)
+                for v in values)
+            if not ok:
+                wrong.append(f"steps.{key}")
+        lengths = {len(v) for v in steps.values() if isinstance(v, list)}
+        if len(lengths) > 1:
+            wrong.append("steps (lists of different lengths)")
+        absent = [k for k in ALIGNED_STEPS if steps and k not in steps]
+        if absent:  # `summarize` indexes these together, position by position, across rows
+            wrong.append(f"steps without {', '.join(absent)}")
+    if not missing and not numbers and not wrong:
+        return None
+    parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+        [f"not numbers: {', '.join(numbers)}"] if numbers else []) + (
+        [f"wrong type: {', '.join(wrong)}"] if wrong else [])
+    return "; ".join(parts)
+
+
 def _lines_text(items: list, most: int = 8) -> str:
     """The first `most` items (line numbers, row names), and how many more."""
     shown = ", ".join(str(n) for n in items[:most])
@@ -575,13 +625,8 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     duplicates: list[int] = []
     bad: dict[str, list[int]] = defaultdict(list)
     for row, line in zip(rows, lines):
-        missing = [k for k in REQUIRED if k not in row]
-        wrong = [k for k in NUMERIC
-                 if k in row and (isinstance(row[k], bool) or not isinstance(row[k], (int, float)))]
-        if missing or wrong:
-            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-                [f"not numbers: {', '.join(wrong)}"] if wrong else [])
-            why = "; ".join(parts)
+        why = row_problem(row)
+        if why is not None:
             bad[why].append(line)
             continue
         unit = row.get("unit")
@@ -629,6 +674,19 @@ def speedup_notes(summary: list[dict]) -> list[str]:
     return notes
 
 
+def score_notes(rows: list[dict]) -> list[str]:
+    """A note counting and naming the rows whose score is not a finite number (NaN, inf, null, a string):
+    they are left out of the score, its interval and the paired difference, so a column's n is smaller
+    than its row count (the score column says `n=X of Y`)."""
+    unscored = [r for r in rows if not _is_score(r["score"])]
+    if not unscored:
+        return []
+    named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']}): {r['score']!r}"
+                         for r in unscored])
+    return [f"{len(unscored)} row(s) have no finite score and are left out of the score, its interval "
+            f"and Δscore: {named}"]
+
+
 def timeout_notes(rows: list[dict]) -> list[str]:
     """A note naming the rows an execution-scored suite failed by timeout: on a loaded machine a correct
     program can time out, so such a failure may be the machine's, not the rule's."""
@@ -664,7 +722,7 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     for note in notes:
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
-    notes += unit_set_notes(rows) + timeout_notes(rows) + speedup_notes(summary)
+    notes += unit_set_notes(rows) + score_notes(rows) + timeout_notes(rows) + speedup_notes(summary)
     for source, count in Counter(r["reused_from"] for r in rows if "reused_from" in r).items():
         notes.append(f"{count} row(s) copied from {source} (--reuse-from): decoded and timed there, so "
                      "their speedup is that sweep's report's, not this one's")

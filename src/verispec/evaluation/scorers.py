@@ -1,20 +1,16 @@
 """Scorers: exact match, numeric and boxed-answer extraction, execution of code, and text statistics.
 
-Execution scoring runs the program in a separate Python process (`python -I`), in a temporary
-directory, with a timeout, and without network where the machine allows it (`unshare -rn`, a fresh
-network namespace with no interfaces). A timeout or any error counts as a failure.
+Execution scoring runs the program in the sandbox of `verispec.evaluation.sandbox` (a fresh `python -I`
+under bubblewrap, read-only file system, no network, as nobody, with memory / process / file size / CPU
+limits and a timeout). A timeout, a broken limit or any error counts as a failure.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections import Counter
+
+from verispec.evaluation.sandbox import run_sandboxed
 
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
 
@@ -82,32 +78,11 @@ def boxed_match(output: str, answer: str) -> float:
     return float(got is not None and want is not None and normalize_math(got) == normalize_math(want))
 
 
-@functools.lru_cache(maxsize=1)
-def _no_network_prefix() -> tuple[str, ...]:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    try:
-        ok = subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return (unshare, "-rn") if ok else ()
-
-
 def run_program(program: str, timeout: float = 10.0) -> tuple[bool, str]:
-    """Run Python source in a fresh isolated process; (passed, reason). Never raises, never hangs."""
-    with tempfile.TemporaryDirectory(prefix="verispec-exec-") as tmp:
-        env = {"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0", "HOME": tmp}
-        cmd = [*_no_network_prefix(), sys.executable, "-I", "-c", program]
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return False, f"timeout after {timeout:g}s"
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
-            return False, tail[:200]
-        return True, "passed"
+    """Run Python source in the sandbox (`verispec.evaluation.sandbox`); (passed, reason). Never raises,
+    never hangs; a broken limit's reason is its name ("memory limit", "process limit", ...)."""
+    outcome = run_sandboxed(program, timeout=timeout)
+    return outcome.passed, outcome.reason
 
 
 def extract_code(output: str) -> str:

@@ -10,6 +10,7 @@ local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extract
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from verispec.evaluation import scorers
+from verispec.evaluation.sandbox import run_sandboxed
 from verispec.spec import Registry, split
 
 DATA = Path(__file__).parent / "data"
@@ -46,9 +48,65 @@ class Suite:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file, one per non-blank line; each row records its line number under
+    `LINE` (for messages). A line that is not a JSON object is a ValueError naming file and line."""
     opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}")
+            rows.append({**row, LINE: number})
+    return rows
+
+
+LINE = "__line__"  # the line number `_read_jsonl` adds to each row
+
+
+def check_unique_ids(path: Path, rows: list[dict], items: tuple[Item, ...]) -> None:
+    """Refuse (ValueError naming the id and its lines) a data file in which two rows share an id: a
+    sweep keys its units by prompt id, so the second would be taken as done and never decoded."""
+    lines: dict[str, list[int]] = {}
+    for row, item in zip(rows, items):
+        lines.setdefault(item.id, []).append(row[LINE])
+    dup = {i: ns for i, ns in lines.items() if len(ns) > 1}
+    if dup:
+        named = "; ".join(f"id {i!r} on lines {', '.join(map(str, ns))}" for i, ns in list(dup.items())[:5])
+        raise ValueError(f"{path}: {len(dup)} id(s) used by more than one row ({named}); every row needs "
+                         "its own id")
+
+
+def file_fingerprint(spec: str) -> dict | None:
+    """For a file-backed suite (`gsm8k:PATH`, ...): the file's sha256 and a digest of each item (id ->
+    12 hex digits of the sha256 of its prompt, answer and metadata), recorded in sweep.json so that
+    `--resume` refuses a changed file and names what changed (`fingerprint_changes`). None otherwise."""
+    name, path = split(spec, "suite", "shakespeare")
+    if name not in FILE_SUITES:
+        return None
+    suite = load_suite(spec)
+    items = {item.id: hashlib.sha256(json.dumps([item.prompt, item.answer, item.meta], sort_keys=True,
+                                                default=str).encode()).hexdigest()[:12]
+             for item in suite.items}
+    return {"sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "items": items}
+
+
+def fingerprint_changes(old: dict, new: dict) -> str:
+    """What changed between two `file_fingerprint`s, in words: ids added, removed and edited."""
+    before, after = old.get("items") or {}, new.get("items") or {}
+    parts = []
+    for word, ids in (("added", [i for i in after if i not in before]),
+                      ("removed", [i for i in before if i not in after]),
+                      ("edited", [i for i in after if i in before and before[i] != after[i]])):
+        if ids:
+            more = ", ..." if len(ids) > 5 else ""
+            parts.append(f"{len(ids)} id(s) {word} ({', '.join(map(repr, ids[:5]))}{more})")
+    return "; ".join(parts) or "the same items, the file's bytes differ (order or formatting)"
 
 
 def _text_metrics(output: str, item: Item) -> dict[str, float]:
@@ -85,10 +143,13 @@ def arithmetic() -> Suite:
 
 def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10.0):
     def score(output: str, item: Item) -> dict[str, float]:
-        passed, reason = scorers.run_program(program_of(output, item), timeout=timeout)
+        outcome = run_sandboxed(program_of(output, item), timeout=timeout)
         # a timeout is a failure, but on a loaded machine a correct program can hit it: the row says so
         # and the report counts such rows (`report.timeout_notes`)
-        return {"pass_at_1": float(passed), "timed_out": float(reason.startswith("timeout"))}
+        metrics: dict = {"pass_at_1": float(outcome.passed), "timed_out": float(outcome.limit == "timeout")}
+        if outcome.limit not in (None, "timeout"):
+            metrics["error"] = outcome.limit  # a sandbox limit broken (docs/design.md, 'Code sandbox')
+        return metrics
     return score
 
 
@@ -174,10 +235,12 @@ def load_suite(spec: str) -> Suite:
         if Path(path).is_dir():
             raise ValueError(f"suite '{name}' reads a JSONL file, but {path} is a directory")
         try:
-            return FILE_SUITES.get(name)(path)
+            suite = FILE_SUITES.get(name)(path)
         except (KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not a {name} JSONL file (one JSON object per line with its fields): "
                              f"{type(err).__name__}: {err}") from None
+        check_unique_ids(Path(path), _read_jsonl(Path(path)), suite.items)
+        return suite
     if name in SUITES and path:
         raise ValueError(f"suite '{name}' takes no argument, got {spec!r}")
     if name not in SUITES:

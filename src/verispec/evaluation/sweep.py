@@ -33,6 +33,8 @@ from verispec.models import default_draft
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 
+from verispec.evaluation.suites import file_fingerprint, fingerprint_changes  # data-file fingerprints
+
 log = logging.getLogger(__name__)
 PLAIN = "plain"
 STEP_FIELDS = ("role", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass", "expected_accept",
@@ -47,8 +49,24 @@ class RunConfig:
 
     @property
     def id(self) -> str:
+        """`RULE k=K T=TEMP` (`plain T=TEMP`); part of the unit key, so TEMP round-trips exactly."""
+        t = exact_number(self.temperature)
+        return f"{self.rule} k={self.k} T={t}" if self.rule != PLAIN else f"plain T={t}"
+
+    @property
+    def legacy_id(self) -> str:
+        """The id verispec wrote before exact temperatures (`:g`, 6 significant digits): the same as `id`
+        whenever the temperature is exact in 6 digits (every committed sweep), else a rounded one."""
         return (f"{self.rule} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
                 else f"plain T={self.temperature:g}")
+
+
+def exact_number(value: float) -> str:
+    """`value` in its shortest `:g` form when that reads back as exactly `value` (1.0 -> '1', 0.7 ->
+    '0.7': the ids of every sweep written so far), else Python's round-tripping repr (1.0000001 ->
+    '1.0000001', which `:g` wrote as '1' and so merged two temperatures into one unit)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 @dataclass(frozen=True)
@@ -183,8 +201,10 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="run", desc="sweep", file=sys.stderr, dynamic_ncols=True)
 
 
-def _settings_json(spec: SweepSpec) -> str:
-    return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec)}, indent=2, sort_keys=True) + "\n"
+def _settings_json(spec: SweepSpec, suite_file: dict | None = None) -> str:
+    """sweep.json: the settings, and for a file-backed suite its fingerprint (`suites.file_fingerprint`)."""
+    extra = {} if suite_file is None else {"suite_file": suite_file}
+    return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec), **extra}, indent=2, sort_keys=True) + "\n"
 
 
 EXECUTORS = ("local", "ray")
@@ -225,6 +245,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    check_out_dir(out_dir)  # before anything starts: '' (the current directory), a file, an unwritable path
     if executor == "local" and ray_options is not None:
         raise ValueError("ray_options apply only to executor='ray'")
     from verispec.api import as_dtype, encode_prompt, resolve_drafter, resolve_target
@@ -238,7 +259,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         ray_options.validate()
         check_ray_spec(spec)
         import_ray()  # Ray missing: say which extra to install before anything is locked or written
-    out_dir = Path(out_dir)
+    out_dir = check_out_dir(out_dir)
+    suite_file = file_fingerprint(spec.suite)
     run = new_run_id()
     sources = [] if reuse_from is None else read_reusable(reuse_from, out_dir / "results.jsonl")
     try:
@@ -258,6 +280,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
             raise ValueError(f"{results_path} has results but {spec_path} is missing: "
                              "cannot tell which sweep they "
                              "belong to, so refusing to resume; use a new --out")
+        if has_rows:
+            check_config_ids(results_path, spec.configs())
 
         suite = load_suite(spec.suite).limit(spec.limit)
         configs = spec.configs()
@@ -268,25 +292,25 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
             from verispec.evaluation.ray_executor import RayPool
 
             if has_rows:  # everything but the backend (which the workers report), before Ray starts
-                _check_resumable(spec_path, spec, ignore_backend=True)
+                _check_resumable(spec_path, spec, ignore_backend=True, suite_file=suite_file)
             with RayPool(spec, suite, max_new, ray_options) as pool:  # starts, loads, checks contexts
                 spec = replace(spec, backend=pool.backend)
                 if has_rows:
-                    _check_resumable(spec_path, spec)
-                spec_path.write_text(_settings_json(spec), encoding="utf-8")
-                reuse_rows(spec, units, sources, results_path, progress, reuse_plain)
+                    _check_resumable(spec_path, spec, suite_file=suite_file)
+                spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
+                reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
                 pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run)
             return results_path
 
         target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
         spec = replace(spec, backend=str(backend_of(target)))
         if has_rows:
-            _check_resumable(spec_path, spec)
+            _check_resumable(spec_path, spec, suite_file=suite_file)
         drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
         prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
         check_contexts(suite, prompts, target, drafter, max_new)
-        spec_path.write_text(_settings_json(spec), encoding="utf-8")
-        reuse_rows(spec, units, sources, results_path, progress, reuse_plain)
+        spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
+        reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
         _run_units(spec, suite, units, target, drafter, prompts, max_new, results_path, progress, batch_size,
                    on_row, run)
     return results_path
@@ -313,22 +337,26 @@ def read_reusable(sources, results_path: Path) -> list[tuple[str, Path]]:
 
 
 def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_path: Path,
-               progress: bool = False, reuse_plain: bool = False) -> int:
+               progress: bool = False, reuse_plain: bool = False, suite_file: dict | None = None) -> int:
     """Append the rows of other sweeps (`read_reusable`; the first source holding a unit wins) that are
     results of this sweep's units not yet done: same unit key, and the row's own prompt, seed and
     configuration agree with it. Plain decoding is not copied unless `reuse_plain` (it is the speed
     reference: re-decoded here, beside this run's rows). Each copy keeps its tokens, metrics and timings
     (batch size included) and gains `reused_from`: the sweep that decoded it, kept through copies of copies.
-    Returns the count."""
+    For a file-backed suite (`suite_file`, its fingerprint) a row is copied only if the source's sweep.json
+    records the same digest for its prompt (an edited question is decoded again). Returns the count."""
     wanted = {unit_key(spec, item, seed, config): (item.id, seed, config.id)
               for _, item, seed, config in units if reuse_plain or config.rule != PLAIN}
     total = 0
     with ResultsFile(results_path) as store:
         for source, path in sources:
-            copied = 0
+            copied, same, changed = 0, _same_items(path, suite_file), set()
             for row in read_rows(path):
                 unit = row.get("unit")
                 if unit not in wanted or unit in store.done:
+                    continue
+                if not same(row.get("prompt_id")):
+                    changed.add(str(row.get("prompt_id")))
                     continue
                 if (row.get("prompt_id"), row.get("seed"), row.get("config")) != wanted[unit]:
                     log.warning("--reuse-from %s: the row of unit %s does not match its key; not copied",
@@ -336,10 +364,27 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_
                     continue
                 store.append({**row, "reused_from": row.get("reused_from", source)})
                 copied += 1
+            if changed:
+                log.warning("--reuse-from %s: %d prompt(s) not the same item in its data file (or its "
+                            "sweep.json records none), their rows not copied: %s", source, len(changed),
+                            ", ".join(sorted(changed)[:5]))
             if progress:
                 print(f"sweep: copied {copied} row(s) from {source} (--reuse-from)", file=sys.stderr)
             total += copied
     return total
+
+
+def _same_items(results_path: Path, suite_file: dict | None) -> Callable[[object], bool]:
+    """Whether a prompt id of the sweep at `results_path` reads the same item as in `suite_file` (always
+    true for a built-in suite; never when the source's sweep.json records no fingerprint)."""
+    if suite_file is None:
+        return lambda prompt_id: True
+    try:
+        theirs = json.loads((results_path.parent / "sweep.json").read_text(encoding="utf-8"))["suite_file"]
+        items = dict(theirs["items"])
+    except (OSError, ValueError, KeyError, TypeError):
+        items = {}
+    return lambda prompt_id: prompt_id in items and items[prompt_id] == suite_file["items"].get(prompt_id)
 
 
 def backend_of(target) -> str:
@@ -358,25 +403,69 @@ def check_contexts(suite: Suite, prompts: list[list[int]], target, drafter, max_
             raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
 
 
-def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = False) -> None:
+def check_config_ids(results_path: Path, configs: list[RunConfig]) -> None:
+    """Refuse to resume rows written under a rounded temperature id (`RunConfig.legacy_id`): their unit
+    keys are not this release's, so they would be decoded again beside the old ones."""
+    ids = {c.id for c in configs}
+    legacy = {c.legacy_id: c.id for c in configs if c.legacy_id != c.id}
+    if not legacy:
+        return
+    for row in read_rows(results_path):
+        if row.get("config") in legacy and row.get("config") not in ids:
+            raise ValueError(f"{results_path} holds rows of {row['config']!r}, written by an older verispec "
+                             f"that rounded the temperature to 6 digits (now {legacy[row['config']]!r}); "
+                             "they cannot be resumed exactly: use a new --out")
+
+
+def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = False,
+                     suite_file: dict | None = None) -> None:
     """Refuse to resume a sweep whose sweep.json describes other settings (the backend aside if asked:
-    the Ray executor learns it from its workers, and checks it again then)."""
+    the Ray executor learns it from its workers, and checks it again then), or whose data file changed
+    since (`suite_file`: ValueError naming the ids added, removed and edited)."""
     try:
-        old = spec_path.read_text(encoding="utf-8")
-        if ignore_backend:
-            old_settings = json.loads(old)
-            if not isinstance(old_settings, dict):
-                raise ValueError("not a JSON object")
+        old_settings = json.loads(spec_path.read_text(encoding="utf-8"))
+        if not isinstance(old_settings, dict):
+            raise ValueError("not a JSON object")
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"cannot read {spec_path}: {err}") from None
+    old_file = old_settings.pop("suite_file", None)
+    new_settings = json.loads(_settings_json(replace(spec, backend=None) if ignore_backend else spec))
     if ignore_backend:
-        same = {**old_settings, "backend": None} == json.loads(_settings_json(replace(spec, backend=None)))
-    else:
-        same = old == _settings_json(spec)
-    if not same:
+        old_settings["backend"] = None
+    if old_settings != new_settings:
         raise ValueError(f"{spec_path} describes a different sweep "
                          "(settings, dtype, device, backend or "
                          "schema differ); resume with the same settings or use a new --out")
+    if suite_file is None:
+        return
+    if not isinstance(old_file, dict):
+        log.warning("%s records no fingerprint of the suite's data file (written by an older verispec): "
+                    "cannot check that %s is unchanged since the sweep began", spec_path, spec.suite)
+    elif old_file.get("sha256") != suite_file["sha256"]:
+        raise ValueError(f"the data file of suite {spec.suite!r} changed since this sweep began "
+                         f"({fingerprint_changes(old_file, suite_file)}): its rows would mix old and new "
+                         "questions; restore the file or use a new --out")
+
+
+def check_out_dir(out_dir) -> Path:
+    """The output directory, refused (ValueError / PermissionError naming it) when it cannot be one: an
+    empty name (it would be the current directory), a file, a path under a file, or an unwritable place."""
+    if isinstance(out_dir, str) and not out_dir.strip():
+        raise ValueError("--out must name a directory, got an empty path (it would write into the current "
+                         "directory); give e.g. --out runs/my-sweep")
+    if not isinstance(out_dir, (str, Path)):
+        raise TypeError(f"out_dir must be a str or Path, got {type(out_dir).__name__}")
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file, not a directory; give a directory")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {path}: {existing} is a file, so no directory can be made under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write to the output directory {path}: {existing} is not writable")
+    return path
 
 
 def work_units(units, done: set[str], spec: SweepSpec, batch_size: int) -> list[tuple[RunConfig, list]]:

@@ -35,6 +35,9 @@ def parse(spec: str) -> Rule:
         if not args:
             raise ValueError("rule 'honest' needs a truncation rule to wrap, "
                              "e.g. honest:speccascade:min_p=0.1")
+        if split(args, "rule", "speccascade:min_p=0.1")[0] == "honest":  # before recursing: no depth limit
+            raise ValueError("rule 'honest' wraps a truncation rule, not another honest rule "
+                             f"(got {spec.strip()[:60]!r}...); e.g. honest:speccascade:min_p=0.1")
         return cls(inner=parse(args))
     required = tuple(f.name for f in fields(cls) if f.default is MISSING)
     return cls(**parse_params("rule", cls.name, args, cls.params, required))

