@@ -159,6 +159,7 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
+        "protocol": suite.protocol,
         "text": text, "token_ids": list(gen.token_ids),
         "steps": {f: _round(gen.steps[f]) for f in STEP_FIELDS if f in gen.steps},
     }
@@ -396,7 +397,8 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
                 max_new: int) -> list[dict]:
     """The finished rows of one work unit (one configuration on `members`), timed as one batch."""
     began = time.perf_counter()
-    generations = _decode(target, drafter, prompts, members, config, max_new)
+    stop_check = suite.stop(target.decode) if suite.stop is not None else None
+    generations = _decode(target, drafter, prompts, members, config, max_new, stop_check)
     batch_seconds = time.perf_counter() - began
     rows = []
     for (index, item, seed, _), gen in zip(members, generations):
@@ -432,13 +434,15 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
             bar.close()
 
 
-def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int) -> list[Generation]:
-    """The generations of one configuration on a batch of units, decoded together."""
+def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
+            stop_check=None) -> list[Generation]:
+    """The generations of one configuration on a batch of units, decoded together (`stop_check`: the
+    suite's stop condition, `Suite.stop`)."""
     sampling = SamplingConfig(temperature=config.temperature)
     generators = [torch.Generator().manual_seed(seed * 1_000_003 + index) for index, _, seed, _ in members]
     ids = [prompts[index] for index, _, _, _ in members]
     if config.rule == PLAIN:
-        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling)
+        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
         return decode_prompts(target, ids, generators, plain)
-    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling)
+    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
     return decode_prompts(target, ids, generators, decode, drafter, config.rule)
