@@ -92,8 +92,16 @@ _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _ASSIGNMENTS = (ast.Assign, ast.AnnAssign, ast.AugAssign)
 
 
-def _names_used(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+def _names_used(node: ast.stmt) -> set[str]:
+    """The global names a statement may read: every name it loads, less (in a function) its parameters
+    and the names it binds itself, which are local unless declared global."""
+    loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return loads
+    local = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+    local |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    declared = {name for n in ast.walk(node) if isinstance(n, ast.Global) for name in n.names}
+    return (loads - local) | (loads & declared)
 
 
 def _names_defined(node: ast.stmt) -> set[str]:
