@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from verispec.evaluation.comparisons import parse_comparison
+from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
                                       results_file, scan_rows)
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
@@ -64,6 +66,11 @@ class SweepSpec:
     dtype: str = "float32"  # the target's compute dtype
     draft_dtype: str = "float32"
     backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
+    # planned comparisons, declared up front ("A:B" or "A vs B", rule specs or plain) and an optional
+    # group-sequential design for interim looks ("pocock:K" / "obf:K"): read by the report
+    # (`comparisons`); they change no result, so they are not part of a unit's key
+    compare: tuple[str, ...] = ()
+    sequential: str | None = None
 
     def validate(self, device_here: bool = True) -> None:
         """Every setting checked (ValueError / TypeError naming it) before anything is written.
@@ -101,6 +108,10 @@ class SweepSpec:
         elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         self.configs()  # parses every rule spec
+        for text in self.compare:
+            parse_comparison(text)
+        if self.sequential is not None:
+            parse_sequential(self.sequential)
 
     def configs(self) -> list[RunConfig]:
         """The grid, baselines included: plain, lossless and honest truncation samplers."""
@@ -176,7 +187,11 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 def _settings_json(spec: SweepSpec) -> str:
-    return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec)}, indent=2, sort_keys=True) + "\n"
+    settings = asdict(spec)
+    for key, unset in (("compare", ()), ("sequential", None)):  # sweeps written before they existed resume
+        if settings[key] in (unset, list(unset or [])):
+            del settings[key]
+    return json.dumps({"schema": SCHEMA_VERSION, **settings}, indent=2, sort_keys=True) + "\n"
 
 
 EXECUTORS = ("local", "ray")

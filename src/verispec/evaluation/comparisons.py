@@ -1,0 +1,257 @@
+"""The report's outcome and comparison tables (docs/design.md, 'Planned comparisons'): length outcomes
+per configuration (cap-hit, output length, stopped by itself) paired against the baseline, and the
+planned comparisons a sweep declares up front (`verispec bench --compare A:B`), each per seed and pooled
+over (problem x seed) with the test clustered by problem, Holm-corrected over the declared family, with
+an optional group-sequential threshold for interim looks and the minimum detectable effect beside it.
+Lossless speculative decoding against plain decoding (the same law) is printed as the calibration row
+whenever both are present. The maths is in `verispec.evaluation.stats`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import mean
+
+from verispec.evaluation import stats
+from verispec.rules import parse
+from verispec.tables import text_table
+
+PLAIN = "plain"
+ALPHA = 0.05
+POWER = 0.8
+
+
+def canonical_side(text: str) -> str:
+    """A comparison side as the rows name it: `plain`, or a rule spec in its canonical form."""
+    text = text.strip()
+    if text == PLAIN:
+        return PLAIN
+    return parse(text).spec
+
+
+def parse_comparison(text: str) -> tuple[str, str]:
+    """`A:B` or `A vs B` (A, B rule specs or `plain`) -> canonical (A, B): the difference A - B is tested.
+    Rule specs contain colons themselves, so `A:B` is split at the one colon where both sides parse; an
+    ambiguous or unparseable text is a ValueError saying to write `A vs B`."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a comparison is A:B or 'A vs B' (rule specs or plain), got {text!r}")
+    if " vs " in text:
+        a, _, b = text.partition(" vs ")
+        try:
+            return canonical_side(a), canonical_side(b)
+        except ValueError as err:
+            raise ValueError(f"comparison {text!r}: {err}") from None
+    found = set()
+    for i, char in enumerate(text):
+        if char != ":":
+            continue
+        try:
+            found.add((canonical_side(text[:i]), canonical_side(text[i + 1:])))
+        except ValueError:
+            continue
+    if len(found) != 1:
+        why = "no split into two rule specs parses" if not found else f"it splits {len(found)} ways"
+        raise ValueError(f"comparison {text!r}: {why}; write it as 'A vs B' (e.g. 'lossless vs plain', "
+                         "'cos:w=0.9 vs lossless')")
+    return found.pop()
+
+
+def comparison_text(pair: tuple[str, str]) -> str:
+    return f"{pair[0]} vs {pair[1]}"
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+
+def _units(rows: list[dict]) -> dict[tuple, dict]:
+    """(rule, k, temperature) -> {(prompt_id, seed): row}."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for r in rows:
+        out[(r["rule"], r["k"], r["temperature"])][(r["prompt_id"], r["seed"])] = r
+    return out
+
+
+def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
+    """The (config A, config B) keys a comparison covers: same temperature, same k (plain has none)."""
+    out = []
+    for key_a in units:
+        if key_a[0] != a:
+            continue
+        for key_b in units:
+            if key_b[0] == b and key_b[2] == key_a[2] and (key_a[1] == key_b[1] or PLAIN in (a, b)):
+                out.append((key_a, key_b))
+    return out
+
+
+def _config_name(key: tuple) -> str:
+    rule, k, temperature = key
+    return f"plain T={temperature:g}" if rule == PLAIN else f"{rule} k={k} T={temperature:g}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str  # "A vs B"
+    config_a: str
+    config_b: str
+    per_seed: dict  # seed -> PairedEstimate
+    pooled: stats.PairedEstimate
+    planned: bool
+
+
+def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planned: bool = True
+            ) -> list[Comparison]:
+    """A - B on every (problem, seed) both configurations have, per seed and pooled (clustered by
+    problem), for each temperature / k where both are present. `value(row)`: the outcome (the score by
+    default); rows whose value is not a finite number are left out."""
+    units = _units(rows)
+    out = []
+    for key_a, key_b in _matching(units, a, b):
+        triples = defaultdict(list)  # seed -> [(problem, a, b)]
+        for (problem, seed), row in units[key_a].items():
+            other = units[key_b].get((problem, seed))
+            if other is None:
+                continue
+            va, vb = value(row), value(other)
+            if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (va, vb)):
+                triples[seed].append((problem, float(va), float(vb)))
+        pooled = [t for seed in sorted(triples) for t in triples[seed]]
+        out.append(Comparison(f"{a} vs {b}", _config_name(key_a), _config_name(key_b),
+                              {seed: stats.clustered_paired(triples[seed]) for seed in sorted(triples)},
+                              stats.clustered_paired(pooled), planned))
+    return out
+
+
+def planned_look(clusters: int, planned_clusters: int | None, looks: int) -> int:
+    """The look a report is at: the share of the planned problems paired so far, rounded up to the next
+    of `looks` equally spaced looks (the last look once every problem is in)."""
+    if looks == 1 or not planned_clusters:
+        return looks
+    return max(1, min(looks, math.ceil(looks * clusters / planned_clusters - 1e-9)))
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.{digits}f}"
+
+
+def _p(x: float) -> str:
+    return "-" if math.isnan(x) else (f"{x:.2g}" if x < 0.001 else f"{x:.3f}")
+
+
+def _interval(e: stats.PairedEstimate) -> str:
+    return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}]"
+
+
+def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
+                      planned_clusters: int | None = None) -> str:
+    """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
+    both are present and it was not declared), as text: per seed and pooled estimates with 95% intervals,
+    the clustered p, Holm's adjusted p over the declared family, the threshold at this look (Holm's
+    step-down level, turned into the group-sequential design's nominal threshold when one is declared),
+    the decision, and the minimum detectable effect at that threshold with power 0.8."""
+    family = [c for text in declared for c in compare(rows, *parse_comparison(text))]
+    if not any(c.name == f"lossless vs {PLAIN}" for c in family):
+        family += [replace_planned(c) for c in compare(rows, "lossless", PLAIN)]
+    if not family:
+        return ""
+    planned = [c for c in family if c.planned]
+    adjusted = stats.holm([c.pooled.p_value for c in planned])
+    levels = stats.holm_levels([c.pooled.p_value for c in planned], ALPHA)
+    kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
+    seeds = sorted({s for c in family for s in c.per_seed})
+    head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
+            "Holm p", "threshold", "decision", "MDE"]
+    body = []
+    rejecting = True  # Holm's step-down stops at the first hypothesis it keeps
+    order = sorted(range(len(planned)), key=lambda i: (math.isnan(planned[i].pooled.p_value),
+                                                       planned[i].pooled.p_value))
+    decisions: dict[int, tuple[float, str]] = {}
+    for i in order:
+        c = planned[i]
+        look = planned_look(c.pooled.clusters, planned_clusters, looks)
+        threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) if not math.isnan(levels[i])
+                     else math.nan)
+        reject = rejecting and c.pooled.p_value < threshold
+        rejecting = reject
+        decisions[i] = (threshold, "reject" if reject else "keep")
+    for i, c in enumerate(family):
+        per_seed = [_interval(c.per_seed[s]) if s in c.per_seed else "-" for s in seeds]
+        if c.planned:
+            j = planned.index(c)
+            threshold, decision = decisions[j]
+            holm_p = _p(adjusted[j])
+        else:
+            threshold, holm_p = ALPHA, "-"
+            decision = "differs" if c.pooled.p_value < ALPHA else "no difference"
+        usable = not math.isnan(c.pooled.se) and not math.isnan(threshold)
+        mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
+        label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
+        body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
+                     holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-"])
+    design = (f"{kind} boundary, {looks} planned looks, this look from the share of planned problems paired"
+              if looks > 1 else "one look (fixed design)")
+    legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
+              "pooled over (problem x seed) with 95% intervals; p: cluster-robust paired t-test on "
+              "per-problem mean differences (clustered by problem, problems - 1 df); Holm p: adjusted over "
+              f"the {len(planned)} declared comparison(s); threshold: Holm's step-down level at "
+              f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds; "
+              f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
+              "standard error; the calibration row compares two samplers of the same law, so a "
+              "difference there is chance, not a rule effect)")
+    return text_table(head, body) + "\n" + legend
+
+
+def replace_planned(c: Comparison) -> Comparison:
+    return Comparison(c.name, c.config_a, c.config_b, c.per_seed, c.pooled, planned=False)
+
+
+# ------------------------------------------------------------------------------------ length outcomes
+
+
+def _cap_hit(row: dict) -> float:
+    return float(row.get("finish") == "length")
+
+
+def _stopped(row: dict) -> float:
+    return float(row.get("finish") in ("eos", "stop"))
+
+
+def _tokens(row: dict) -> float:
+    return float(row["tokens"])
+
+
+OUTCOMES = (("cap-hit", _cap_hit), ("tokens", _tokens), ("stopped itself", _stopped))
+
+
+def length_table(rows: list[dict], baseline_of) -> str:
+    """Per configuration: cap-hit rate (finish "length"), mean output length in tokens and the rate of
+    rows that stopped by themselves (a stop token, or the suite's stop condition such as the end of the
+    first code block), each with its paired difference to the configuration's baseline (`baseline_of`,
+    the report's) and a 95% interval clustered by problem; the protocol the rows were scored under."""
+    units = _units(rows)
+    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    protocols = sorted({str(r.get("protocol") or _legacy_protocol(r)) for r in rows})
+    head = ["config", "n"] + [h for name, _ in OUTCOMES for h in (name, f"Δ{name} vs baseline")]
+    body = []
+    for key in configs:
+        group = list(units[key].values())
+        cells = [_config_name(key), str(len(group))]
+        base_rule = baseline_of(key[0])
+        for name, value in OUTCOMES:
+            level = mean(value(r) for r in group)
+            cells.append(f"{level:.1f}" if name == "tokens" else f"{level:.3f}")
+            diffs = [c for c in compare(rows, key[0], base_rule, value) if c.config_a == _config_name(key)] \
+                if base_rule else []
+            cells.append(_interval(diffs[0].pooled) if diffs else "-")
+        body.append(cells)
+    legend = (f"(protocol: {', '.join(protocols)}; cap-hit = finish 'length'; stopped itself = a stop token "
+              "or the suite's stop condition; Δ: paired against the row's baseline (the report's), mean "
+              "and 95% interval clustered by problem)")
+    return text_table(head, body) + "\n" + legend
+
+
+def _legacy_protocol(row: dict) -> str:
+    """The protocol of rows written before rows recorded one: HumanEval and MBPP ran the first code
+    block as it was ("extract"); other suites had one scoring ("default")."""
+    return "extract" if row.get("suite") in ("humaneval", "mbpp") else "default"
