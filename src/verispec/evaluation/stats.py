@@ -176,19 +176,22 @@ def t_two_sided_p(t: float, df: int) -> float:
         return math.nan
     if math.isinf(t):
         return 0.0
-    x = df / (df + t * t)
+    if t == 0:
+        return 1.0
+    x, one_minus_x = df / (df + t * t), t * t / (df + t * t)  # both exact, also for tiny or huge t
     a, b = df / 2, 0.5
     front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x))
+                     + a * math.log(x) + b * math.log(one_minus_x))
     if x < (a + 1) / (a + b + 2):
         return min(1.0, front * _betacf(a, b, x) / a)
     return min(1.0, 1 - front * _betacf(b, a, 1 - x) / b)
 
 
+@functools.lru_cache(maxsize=1024)
 def t_quantile(q: float, df: int) -> float:
     """The q-quantile of Student's t (bisection on `t_two_sided_p`), for q in (0.5, 1)."""
     lo, hi = 0.0, 1e3
-    for _ in range(100):
+    for _ in range(64):
         mid = (lo + hi) / 2
         if t_two_sided_p(mid, df) / 2 > 1 - q:
             lo = mid
