@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from statistics import mean
 
 from verispec.evaluation import stats
+from verispec.evaluation.graded import level_of
 from verispec.rules import parse
 from verispec.tables import text_table
 
@@ -255,3 +256,39 @@ def _legacy_protocol(row: dict) -> str:
     """The protocol of rows written before rows recorded one: HumanEval and MBPP ran the first code
     block as it was ("extract"); other suites had one scoring ("default")."""
     return "extract" if row.get("suite") in ("humaneval", "mbpp") else "default"
+
+
+# ------------------------------------------------------------------------------ difficulty levels
+
+
+def level_table(rows: list[dict], baseline_of) -> str:
+    """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
+    each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
+    its 95% interval clustered by problem, and plain decoding's score per level (the difficulty itself);
+    empty when the rows have no levels or no rule with an honest baseline."""
+    levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
+    if not levels:
+        return ""
+    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    head = ["config - honest baseline", *[f"level {lv}" for lv in levels]]
+    body = []
+    for key in configs:
+        base = baseline_of(key[0]) if key[0] != PLAIN else None
+        if base is None or not base.startswith("honest:"):
+            continue
+        cells = [_config_name(key)]
+        for lv in levels:
+            subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
+            found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
+            cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.clusters}" if found else "-")
+        body.append(cells)
+    plain = [r for r in rows if r["rule"] == PLAIN and isinstance(r.get("score"), (int, float))]
+    if plain:
+        body.append(["plain score (difficulty)", *[
+            f"{mean(r['score'] for r in plain if level_of(r['prompt_id']) == lv):.3f}"
+            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels]])
+    if len(body) == (1 if plain else 0):
+        return ""
+    return text_table(head, body) + ("\n(per level: the rule's score minus its honest truncation sampler's "
+                                     "on the same (problem, seed), mean [95% interval clustered by "
+                                     "problem], whatever its direction)")

@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import comparisons_table, length_table
+from verispec.evaluation.comparisons import comparisons_table, length_table, level_table
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
@@ -706,4 +706,6 @@ def outcome_sections(rows: list[dict], settings: dict) -> str:
             except (KeyError, ValueError, OSError):
                 planned = None
     table = comparisons_table(rows, declared, sequential, planned)
-    return out + ("\n\nplanned comparisons:\n" + table if table else "")
+    out += "\n\nplanned comparisons:\n" + table if table else ""
+    levels = level_table(rows, baseline_of)
+    return out + ("\n\nby difficulty level:\n" + levels if levels else "")

@@ -6,7 +6,9 @@ Built in: `shakespeare` (held-out openings for the default pair; continuation), 
 block as it is: protocol "extract") and `humaneval-sanitized` (the same problems under the code-task
 protocol: stop at the first closing fence, sanitised program, a larger cap; `code_protocol`). Adapters
 for standard local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and
-`mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts).
+`mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts). `mtbench` (MT-Bench's 80
+first turns, scored by target log-likelihood, length and cap-hit) and `graded` (five difficulty levels
+of problems with exact answers, generated from a fixed seed).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.evaluation import code_protocol, scorers
+from verispec.evaluation import code_protocol, graded, scorers
 from verispec.spec import Registry, split
 
 DATA = Path(__file__).parent / "data"
@@ -145,6 +147,28 @@ def humaneval_sanitized() -> Suite:
                  max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop)
 
 
+def mtbench() -> Suite:
+    """MT-Bench's 80 first-turn questions (data/mtbench_first_turns.jsonl; source and licence in
+    data/mtbench_first_turns.NOTICE). No judge model is available offline, so the score is the target's
+    log-likelihood per token (`TARGET_LOGLIK`); output length and cap-hit are in every row (`tokens`,
+    `finish`) and in the report's length outcomes."""
+    items = tuple(Item(r["id"], r["prompt"], meta={"category": r["category"]})
+                  for r in _read_jsonl(DATA / "mtbench_first_turns.jsonl"))
+    return Suite("mtbench", "MT-Bench first turns (80), target log-likelihood per token, length, cap-hit",
+                 items, _text_metrics, primary=TARGET_LOGLIK, max_new_tokens=768)
+
+
+def graded_suite() -> Suite:
+    """Five difficulty levels of arithmetic and word problems with exact answers, 40 per level, generated
+    from a fixed seed (`verispec.evaluation.graded`); exact match of the final number."""
+    items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
+                                                               "expression": p["expression"]})
+                  for p in graded.generate())
+    return Suite("graded", "difficulty-graded arithmetic and word problems (5 levels x 40), exact answer",
+                 items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=384)
+
+
 def gsm8k(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(Item(str(r.get("id", i)), r["question"], r["answer"]) for i, r in enumerate(rows))
@@ -195,7 +219,8 @@ def mbpp_sanitized(path: str) -> Suite:
 
 SUITES: Registry[Callable[[], Suite]] = Registry("suite")
 for _name, _build in (("shakespeare", shakespeare), ("capitals", capitals), ("arithmetic", arithmetic),
-                      ("humaneval", humaneval), ("humaneval-sanitized", humaneval_sanitized)):
+                      ("humaneval", humaneval), ("humaneval-sanitized", humaneval_sanitized),
+                      ("mtbench", mtbench), ("graded", graded_suite)):
     SUITES.add(_name, _build)
 FILE_SUITES: Registry[Callable[[str], Suite]] = Registry("file suite")
 for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp),
