@@ -229,7 +229,8 @@ def second_line_end(text: str) -> int | None:
     return second + 1 if second >= 0 else None
 
 
-@pytest.mark.parametrize("rule", [pytest.param("lossless", marks=pytest.mark.slow), "plain"])
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["lossless", "plain"])
 def test_text_stop_in_the_engine_batched_equals_batch1(pair, rule):
     from verispec.evaluation.suites import load_suite
 
@@ -251,3 +252,60 @@ def test_text_stop_in_the_engine_batched_equals_batch1(pair, rule):
         else:
             assert second_line_end(text) is None or row.finish == "eos"
     assert stopped >= 2  # the condition is met within 40 tokens on most of these openings
+
+
+# a toy pair whose tokens spell fences: the fence stop itself in the engine, on every rule path
+TOY_PIECES = ["```", "\n", "x = 1", "```\nmore", "py\n"]
+
+
+def toy_decode(ids: list[int]) -> str:
+    return "".join(TOY_PIECES[i] for i in ids)
+
+
+@pytest.mark.parametrize("rule", ["lossless", "speccascade:min_p=0.1", "plain"])
+def test_fence_stop_in_the_engine_on_a_toy_pair_batched_equals_batch1(rule):
+    from verispec.models import ModelDrafter, TabularModel
+
+    target = TabularModel.random(5, order=2, seed=3)
+    drafter = ModelDrafter(TabularModel.random(5, order=1, seed=4))
+    config = DecodeConfig(k=3, max_new_tokens=30, stop_check=cp.fence_stop(toy_decode))
+    prompts = [[2], [1, 2], [4], [2, 2, 1], [0], [3], [1], [2, 4]]
+    args = (drafter, rule) if rule != "plain" else ()
+    gens = [torch.Generator().manual_seed(10 + i) for i in range(len(prompts))]
+    batched = decode_prompts(target, prompts, gens, config, *args)
+    stopped = 0
+    for i, (prompt, out) in enumerate(zip(prompts, batched)):
+        [alone] = decode_prompts(target, [prompt], [torch.Generator().manual_seed(10 + i)], config, *args)
+        assert (out.token_ids, out.finish) == (alone.token_ids, alone.finish)
+        text = toy_decode(list(out.token_ids))
+        if out.finish == "stop":
+            stopped += 1
+            # ends with the token completing the first closing fence (kept whatever it carries)
+            assert cp.fenced_block_end(text) is not None
+            assert cp.fenced_block_end(toy_decode(list(out.token_ids[:-1]))) is None
+        else:
+            assert out.finish == "length" and cp.fenced_block_end(text) is None
+    assert stopped >= 4  # fences are frequent in this vocabulary: the stop path is exercised
+
+
+@pytest.mark.slow
+def test_sweep_rows_record_the_protocol_and_use_the_suite_stop(pair):
+    """`sweep.decode_rows` builds the stop condition from the suite (`Suite.stop`) and every row records
+    the suite's protocol."""
+    from dataclasses import replace
+
+    from verispec.evaluation.suites import load_suite
+    from verispec.evaluation.sweep import RunConfig, SweepSpec, decode_rows
+
+    target, drafter = pair
+    base = load_suite("shakespeare").limit(3)
+    suite = replace(base, protocol="test-two-lines",
+                    stop=lambda decode: cp.text_stop(decode, second_line_end))
+    prompts = [target.encode(item.prompt) for item in suite.items]
+    members = [(i, item, 0, RunConfig("lossless", 4, 1.0)) for i, item in enumerate(suite.items)]
+    config = RunConfig("lossless", 4, 1.0)
+    rows = decode_rows(SweepSpec(), suite, target, drafter, prompts, members, config, 40)
+    assert all(r["protocol"] == "test-two-lines" for r in rows)
+    assert any(r["finish"] == "stop" for r in rows)
+    for r in rows:
+        assert (second_line_end(r["text"]) is not None) == (r["finish"] == "stop")
