@@ -180,3 +180,30 @@ def test_tables_on_the_committed_rows(core_rows):
     lengths = comparisons.length_table(core_rows, baseline_of)
     plain_cap = sum(r["finish"] == "length" for r in core_rows if r["rule"] == "plain") / len(problems)
     assert f"{plain_cap:.3f}" in lengths.splitlines()[2] and "protocol: extract" in lengths
+
+
+@pytest.mark.slow
+def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys):
+    """End to end on the default pair: the graded suite, a truncation rule, two declared comparisons and
+    an O'Brien-Fleming design of 2 looks; sweep.json stores them, the report prints the length outcomes,
+    the planned comparisons with the calibration row, and the per-level table; a bad declaration is a
+    clear CLI error before anything is decoded."""
+    from verispec.cli import main
+
+    out = tmp_path / "s"
+    argv = ["bench", "--suite", "graded", "--rules", "speccascade:min_p=0.1", "--seeds", "0", "1",
+            "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--compare",
+            "speccascade:min_p=0.1,resample=target vs honest:speccascade:min_p=0.1,resample=target",
+            "lossless:plain", "--sequential", "obf:2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    settings = json.loads((out / "sweep.json").read_text())
+    assert settings["sequential"] == "obf:2" and len(settings["compare"]) == 2
+    assert "length outcomes:" in printed and "protocol: default" in printed
+    assert "planned comparisons:" in printed and "obf boundary, 2 planned looks" in printed
+    assert "by difficulty level:" in printed and "level 1" in printed
+    assert "(calibration)" not in printed  # lossless vs plain was declared: it is a planned comparison
+    bad = tmp_path / "bad"
+    assert main([*argv[:-1], str(bad), "--compare", "lossless:nonsense"]) == 2
+    assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()
