@@ -204,6 +204,7 @@ def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys)
     assert "planned comparisons:" in printed and "obf boundary, 2 planned looks" in printed
     assert "by difficulty level:" in printed and "level 1" in printed
     assert "(calibration)" not in printed  # lossless vs plain was declared: it is a planned comparison
+    assert "planned comparisons:" in (out / "report.html").read_text()
     bad = tmp_path / "bad"
     assert main([*argv[:-1], str(bad), "--compare", "lossless:nonsense"]) == 2
     assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()

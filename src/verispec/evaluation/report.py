@@ -500,7 +500,8 @@ def _html_table(head: list[str], body: list[list[str]], classes: list[str] | Non
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{rows}</table>"
 
 
-def render_html(summary: list[dict], title: str, meta: dict) -> str:
+def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "") -> str:
+    """The self-contained HTML report; `outcomes`: the text of `outcome_sections`, shown as it prints."""
     head, body = table_rows(summary)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
@@ -526,6 +527,9 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                  "per token of the generated text (temperature 1, no truncation), averaged over rows. "
                  "Rows in red are "
                  "significantly below their baseline.</p>")
+    if outcomes.strip():
+        parts.append("<h2>Length outcomes and planned comparisons</h2>"
+                     f"<pre>{html.escape(outcomes.strip())}</pre>")
     figs = plots(summary)
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
@@ -686,8 +690,9 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     for i, note in enumerate(notes):
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
-    html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
-    table = terminal_table(summary, markdown, columns) + outcome_sections(rows, settings)
+    outcomes = outcome_sections(rows, settings)
+    html_path.write_text(render_html(summary, "verispec report", meta, outcomes), encoding="utf-8")
+    table = terminal_table(summary, markdown, columns) + outcomes
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
 
 
