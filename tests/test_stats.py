@@ -139,6 +139,7 @@ def test_parse_comparison():
     assert comparisons.parse_comparison("lossless vs plain") == ("lossless", "plain")
     gate = comparisons.parse_comparison("speccascade:min_p=0.1:honest:speccascade:min_p=0.1")
     assert gate[1].startswith("honest:speccascade") and gate[0].startswith("speccascade")
+    assert comparisons.parse_comparison("lossless k=4 T=1:plain T=1") == ("lossless k=4 T=1", "plain T=1")
     for bad in ("", "lossless", "nonsense:rule", "lossless vs nonsense"):
         with pytest.raises(ValueError, match="comparison|A:B"):
             comparisons.parse_comparison(bad)
@@ -175,6 +176,10 @@ def test_tables_on_the_committed_rows(core_rows):
     assert calibration.pooled.estimate == pytest.approx(np.mean(diffs))
     assert calibration.pooled.se == pytest.approx(np.std(diffs, ddof=1) / math.sqrt(len(diffs)))
     assert f"{np.mean(diffs):+.3f}" in table
+    # a config id pins its configuration; a bare spec covers the same k and temperature as the other side
+    [pinned] = comparisons.compare(core_rows, "lossless k=4 T=1", "plain T=1")
+    assert pinned.pooled == calibration.pooled
+    assert comparisons.compare(core_rows, "lossless k=2 T=1", "plain") == []
     from verispec.evaluation.report import baseline_of
 
     lengths = comparisons.length_table(core_rows, baseline_of)

@@ -10,6 +10,7 @@ whenever both are present. The maths is in `verispec.evaluation.stats`.
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from statistics import mean
@@ -24,16 +25,28 @@ ALPHA = 0.05
 POWER = 0.8
 
 
+_CONFIG_TAIL = re.compile(r"^(?P<rule>.*?)(?: k=(?P<k>\d+))?(?: T=(?P<t>[0-9.eE+-]+))?$")
+
+
+def _split_side(text: str) -> tuple[str, int | None, float | None]:
+    """A side -> (rule or plain, k or None, temperature or None): a config id ('lossless k=4 T=1',
+    'plain T=0.7') pins k and temperature, a bare rule spec covers every k and temperature."""
+    match = _CONFIG_TAIL.match(text.strip())
+    rule, k, t = match["rule"].strip(), match["k"], match["t"]
+    return rule, int(k) if k else None, float(t) if t else None
+
+
 def canonical_side(text: str) -> str:
-    """A comparison side as the rows name it: `plain`, or a rule spec in its canonical form."""
-    text = text.strip()
-    if text == PLAIN:
-        return PLAIN
-    return parse(text).spec
+    """A comparison side as the rows name it: `plain` or a rule spec in its canonical form, with the
+    config id's ` k=K T=T` kept when given."""
+    rule, k, t = _split_side(text)
+    rule = PLAIN if rule == PLAIN else parse(rule).spec
+    return rule + (f" k={k}" if k is not None else "") + (f" T={t:g}" if t is not None else "")
 
 
 def parse_comparison(text: str) -> tuple[str, str]:
-    """`A:B` or `A vs B` (A, B rule specs or `plain`) -> canonical (A, B): the difference A - B is tested.
+    """`A:B` or `A vs B` (A, B rule specs, `plain`, or config ids such as 'lossless k=4 T=1') -> canonical
+    (A, B): the difference A - B is tested.
     Rule specs contain colons themselves, so `A:B` is split at the one colon where both sides parse; an
     ambiguous or unparseable text is a ValueError saying to write `A vs B`."""
     if not isinstance(text, str) or not text.strip():
@@ -74,14 +87,26 @@ def _units(rows: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+def _covers(key: tuple, side: tuple) -> bool:
+    rule, k, t = side
+    return key[0] == rule and (k is None or key[1] == k) and (t is None or key[2] == t)
+
+
 def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
-    """The (config A, config B) keys a comparison covers: same temperature, same k (plain has none)."""
+    """The (config A, config B) keys a comparison covers: the same temperature and k (plain has none),
+    unless both sides pin them (config ids), which may then differ."""
+    side_a, side_b = _split_side(a), _split_side(b)
     out = []
     for key_a in units:
-        if key_a[0] != a:
+        if not _covers(key_a, side_a):
             continue
         for key_b in units:
-            if key_b[0] == b and key_b[2] == key_a[2] and (key_a[1] == key_b[1] or PLAIN in (a, b)):
+            if not _covers(key_b, side_b):
+                continue
+            same_t = key_a[2] == key_b[2] or (side_a[2] is not None and side_b[2] is not None)
+            same_k = (key_a[1] == key_b[1] or PLAIN in (side_a[0], side_b[0])
+                      or (side_a[1] is not None and side_b[1] is not None))
+            if same_t and same_k:
                 out.append((key_a, key_b))
     return out
 
