@@ -263,9 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --reuse-from: copy plain decoding's rows too (a rule added for its "
                             "quality alone; the rows decoded here then have no speedup)")
     bench.add_argument("--compare", nargs="+", default=None, metavar="A:B",
-                       help="planned comparisons, declared up front and stored in sweep.json: A - B on the "
-                            "score (A, B rule specs or plain; 'A vs B' where colons are ambiguous); the "
-                            "report tests them clustered by problem, Holm-corrected over this family")
+                       help="planned comparisons, declared up front and stored in sweep.json (a resume "
+                            "repeats them): A - B on the score (A, B rule specs, plain, or config ids such "
+                            "as 'lossless k=4 T=1'; 'A vs B' where colons are ambiguous); the report tests "
+                            "them clustered by problem, Holm-corrected over this family")
     bench.add_argument("--sequential", default=None, metavar="KIND:LOOKS",
                        help="a group-sequential design for interim looks at the planned comparisons: "
                             "pocock:K or obf:K (O'Brien-Fleming), K planned looks")

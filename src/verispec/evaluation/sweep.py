@@ -108,6 +108,8 @@ class SweepSpec:
         elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         self.configs()  # parses every rule spec
+        if not isinstance(self.compare, (tuple, list)):
+            raise ValueError(f"compare must be a list of comparisons ('A:B'), got {self.compare!r}")
         for text in self.compare:
             parse_comparison(text)
         if self.sequential is not None:
