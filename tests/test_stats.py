@@ -180,6 +180,10 @@ def test_tables_on_the_committed_rows(core_rows):
     [pinned] = comparisons.compare(core_rows, "lossless k=4 T=1", "plain T=1")
     assert pinned.pooled == calibration.pooled
     assert comparisons.compare(core_rows, "lossless k=2 T=1", "plain") == []
+    missing = comparisons.comparisons_table(core_rows, ["lenience:l=0.25:lossless"])
+    assert "lenience:l=0.25 vs lossless has no rows on both sides" in missing and "(calibration)" in missing
+    assert [comparisons.planned_look(n, 164, 3) for n in (1, 54, 55, 110, 164)] == [1, 1, 2, 3, 3]
+    assert comparisons.planned_look(20, None, 3) == 3
     from verispec.evaluation.report import baseline_of
 
     lengths = comparisons.length_table(core_rows, baseline_of)

@@ -176,11 +176,16 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     the clustered p, Holm's adjusted p over the declared family, the threshold at this look (Holm's
     step-down level, turned into the group-sequential design's nominal threshold when one is declared),
     the decision, and the minimum detectable effect at that threshold with power 0.8."""
-    family = [c for text in declared for c in compare(rows, *parse_comparison(text))]
+    family, missing = [], []
+    for text in declared:
+        found = compare(rows, *parse_comparison(text))
+        family += found
+        if not found:
+            missing.append(comparison_text(parse_comparison(text)))
     if not any(c.name == f"lossless vs {PLAIN}" for c in family):
         family += [replace_planned(c) for c in compare(rows, "lossless", PLAIN)]
     if not family:
-        return ""
+        return "".join(f"no rows for the declared comparison {m}\n" for m in missing).strip()
     planned = [c for c in family if c.planned]
     adjusted = stats.holm([c.pooled.p_value for c in planned])
     levels = stats.holm_levels([c.pooled.p_value for c in planned], ALPHA)
@@ -225,7 +230,9 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
               "standard error; the calibration row compares two samplers of the same law, so a "
               "difference there is chance, not a rule effect)")
-    return text_table(head, body) + "\n" + legend
+    notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
+                    "or not yet decoded)" for m in missing)
+    return text_table(head, body) + "\n" + legend + notes
 
 
 def replace_planned(c: Comparison) -> Comparison:
