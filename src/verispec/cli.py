@@ -124,7 +124,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     spec = SweepSpec(suite=args.suite, target=args.target, draft=args.draft, rules=tuple(args.rules),
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
-                     dtype=args.dtype, draft_dtype=args.draft_dtype)
+                     dtype=args.dtype, draft_dtype=args.draft_dtype, compare=tuple(args.compare or ()),
+                     sequential=args.sequential)
     ray_options = None
     ray_flags = {"--ray-address": args.ray_address, "--workers": args.workers, "--ray-cpus": args.ray_cpus,
                  "--max-restarts": args.max_restarts}
@@ -271,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="sweep rules x temperatures x k x seeds over a suite, then report")
     add_model_args(bench)
     bench.add_argument("--suite", default="shakespeare",
-                       help="shakespeare, capitals, arithmetic, humaneval, gsm8k:PATH, math:PATH, mbpp:PATH")
+                       help="shakespeare, capitals, arithmetic, humaneval, humaneval-sanitized, gsm8k:PATH, "
+                            "math:PATH, mbpp:PATH, mbpp-sanitized:PATH")
     bench.add_argument("--rules", nargs="+", default=["lossless"],
                        help="rule specs; plain, lossless and honest truncation baselines are always added")
     bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
@@ -293,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reuse-plain", action="store_true",
                        help="with --reuse-from: copy plain decoding's rows too (a rule added for its "
                             "quality alone; the rows decoded here then have no speedup)")
+    bench.add_argument("--compare", nargs="+", default=None, metavar="A:B",
+                       help="planned comparisons, declared up front and stored in sweep.json (a resume "
+                            "repeats them): A - B on the score (A, B rule specs, plain, or config ids such "
+                            "as 'lossless k=4 T=1'; 'A vs B' where colons are ambiguous); the report tests "
+                            "them clustered by problem, Holm-corrected over this family")
+    bench.add_argument("--sequential", default=None, metavar="KIND:LOOKS",
+                       help="a group-sequential design for interim looks at the planned comparisons: "
+                            "pocock:K or obf:K (O'Brien-Fleming), K planned looks")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--no-report", action="store_true")
     bench.add_argument("--executor", choices=["local", "ray"], default="local",

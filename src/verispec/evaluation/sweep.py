@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from verispec.evaluation.comparisons import parse_comparison
+from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import (SCHEMA_VERSION, DirectoryLock, ResultsFile, check_schema, read_rows,
                                       results_file, scan_rows)
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
@@ -84,6 +86,11 @@ class SweepSpec:
     dtype: str = "float32"  # the target's compute dtype
     draft_dtype: str = "float32"
     backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
+    # planned comparisons, declared up front ("A:B" or "A vs B", rule specs or plain) and an optional
+    # group-sequential design for interim looks ("pocock:K" / "obf:K"): read by the report
+    # (`comparisons`); they change no result, so they are not part of a unit's key
+    compare: tuple[str, ...] = ()
+    sequential: str | None = None
 
     def resolved(self) -> SweepSpec:
         """The spec with the draft named: "auto" becomes the target's default drafter (a sweep's rows and
@@ -128,6 +135,12 @@ class SweepSpec:
         elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         self.configs()  # parses every rule spec
+        if not isinstance(self.compare, (tuple, list)):
+            raise ValueError(f"compare must be a list of comparisons ('A:B'), got {self.compare!r}")
+        for text in self.compare:
+            parse_comparison(text)
+        if self.sequential is not None:
+            parse_sequential(self.sequential)
 
     def configs(self) -> list[RunConfig]:
         """The grid, baselines included: plain, lossless and honest truncation samplers."""
@@ -186,6 +199,7 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
+        "protocol": suite.protocol,
         "text": text, "token_ids": list(gen.token_ids),
         "steps": {f: _round(gen.steps[f]) for f in STEP_FIELDS if f in gen.steps},
     }
@@ -202,9 +216,14 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 def _settings_json(spec: SweepSpec, suite_file: dict | None = None) -> str:
-    """sweep.json: the settings, and for a file-backed suite its fingerprint (`suites.file_fingerprint`)."""
+    """sweep.json: the settings, and for a file-backed suite its fingerprint (`suites.file_fingerprint`).
+    `compare` and `sequential` are left out when unset, so sweeps written before they existed resume."""
+    settings = asdict(spec)
+    for key, unset in (("compare", ()), ("sequential", None)):
+        if settings[key] in (unset, list(unset or [])):
+            del settings[key]
     extra = {} if suite_file is None else {"suite_file": suite_file}
-    return json.dumps({"schema": SCHEMA_VERSION, **asdict(spec), **extra}, indent=2, sort_keys=True) + "\n"
+    return json.dumps({"schema": SCHEMA_VERSION, **settings, **extra}, indent=2, sort_keys=True) + "\n"
 
 
 EXECUTORS = ("local", "ray")
@@ -495,7 +514,8 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
                 max_new: int) -> list[dict]:
     """The finished rows of one work unit (one configuration on `members`), timed as one batch."""
     began = time.perf_counter()
-    generations = _decode(target, drafter, prompts, members, config, max_new)
+    stop_check = suite.stop(target.decode) if suite.stop is not None else None
+    generations = _decode(target, drafter, prompts, members, config, max_new, stop_check)
     batch_seconds = time.perf_counter() - began
     rows = []
     for (index, item, seed, _), gen in zip(members, generations):
@@ -531,13 +551,15 @@ def _run_units(spec, suite, units, target, drafter, prompts, max_new, results_pa
             bar.close()
 
 
-def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int) -> list[Generation]:
-    """The generations of one configuration on a batch of units, decoded together."""
+def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
+            stop_check=None) -> list[Generation]:
+    """The generations of one configuration on a batch of units, decoded together (`stop_check`: the
+    suite's stop condition, `Suite.stop`)."""
     sampling = SamplingConfig(temperature=config.temperature)
     generators = [torch.Generator().manual_seed(seed * 1_000_003 + index) for index, _, seed, _ in members]
     ids = [prompts[index] for index, _, _, _ in members]
     if config.rule == PLAIN:
-        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling)
+        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
         return decode_prompts(target, ids, generators, plain)
-    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling)
+    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
     return decode_prompts(target, ids, generators, decode, drafter, config.rule)

@@ -1,0 +1,326 @@
+"""The report's outcome and comparison tables (docs/design.md, 'Planned comparisons'): length outcomes
+per configuration (cap-hit, output length, stopped by itself) paired against the baseline, and the
+planned comparisons a sweep declares up front (`verispec bench --compare A:B`), each per seed and pooled
+over (problem x seed) with the test clustered by problem, Holm-corrected over the declared family, with
+an optional group-sequential threshold for interim looks and the minimum detectable effect beside it.
+Lossless speculative decoding against plain decoding (the same law) is printed as the calibration row
+whenever both are present. The maths is in `verispec.evaluation.stats`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import mean
+
+from verispec.evaluation import stats
+from verispec.evaluation.graded import level_of
+from verispec.rules import parse
+from verispec.tables import text_table
+
+PLAIN = "plain"
+ALPHA = 0.05
+POWER = 0.8
+
+
+_CONFIG_TAIL = re.compile(r"^(?P<rule>.*?)(?: k=(?P<k>\d+))?(?: T=(?P<t>[0-9.eE+-]+))?$")
+
+
+def _split_side(text: str) -> tuple[str, int | None, float | None]:
+    """A side -> (rule or plain, k or None, temperature or None): a config id ('lossless k=4 T=1',
+    'plain T=0.7') pins k and temperature, a bare rule spec covers every k and temperature."""
+    match = _CONFIG_TAIL.match(text.strip())
+    rule, k, t = match["rule"].strip(), match["k"], match["t"]
+    return rule, int(k) if k else None, float(t) if t else None
+
+
+def canonical_side(text: str) -> str:
+    """A comparison side as the rows name it: `plain` or a rule spec in its canonical form, with the
+    config id's ` k=K T=T` kept when given."""
+    rule, k, t = _split_side(text)
+    rule = PLAIN if rule == PLAIN else parse(rule).spec
+    return rule + (f" k={k}" if k is not None else "") + (f" T={t:g}" if t is not None else "")
+
+
+def parse_comparison(text: str) -> tuple[str, str]:
+    """`A:B` or `A vs B` (A, B rule specs, `plain`, or config ids such as 'lossless k=4 T=1') -> canonical
+    (A, B): the difference A - B is tested.
+    Rule specs contain colons themselves, so `A:B` is split at the one colon where both sides parse; an
+    ambiguous or unparseable text is a ValueError saying to write `A vs B`."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a comparison is A:B or 'A vs B' (rule specs or plain), got {text!r}")
+    if " vs " in text:
+        a, _, b = text.partition(" vs ")
+        try:
+            return canonical_side(a), canonical_side(b)
+        except ValueError as err:
+            raise ValueError(f"comparison {text!r}: {err}") from None
+    found = set()
+    for i, char in enumerate(text):
+        if char != ":":
+            continue
+        try:
+            found.add((canonical_side(text[:i]), canonical_side(text[i + 1:])))
+        except ValueError:
+            continue
+    if len(found) != 1:
+        why = "no split into two rule specs parses" if not found else f"it splits {len(found)} ways"
+        raise ValueError(f"comparison {text!r}: {why}; write it as 'A vs B' (e.g. 'lossless vs plain', "
+                         "'cos:w=0.9 vs lossless')")
+    return found.pop()
+
+
+def comparison_text(pair: tuple[str, str]) -> str:
+    return f"{pair[0]} vs {pair[1]}"
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+
+def _units(rows: list[dict]) -> dict[tuple, dict]:
+    """(rule, k, temperature) -> {(prompt_id, seed): row}."""
+    out: dict[tuple, dict] = defaultdict(dict)
+    for r in rows:
+        out[(r["rule"], r["k"], r["temperature"])][(r["prompt_id"], r["seed"])] = r
+    return out
+
+
+def _covers(key: tuple, side: tuple) -> bool:
+    rule, k, t = side
+    return key[0] == rule and (k is None or key[1] == k) and (t is None or key[2] == t)
+
+
+def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
+    """The (config A, config B) keys a comparison covers: the same temperature and k (plain has none),
+    unless both sides pin them (config ids), which may then differ."""
+    side_a, side_b = _split_side(a), _split_side(b)
+    out = []
+    for key_a in units:
+        if not _covers(key_a, side_a):
+            continue
+        for key_b in units:
+            if not _covers(key_b, side_b):
+                continue
+            same_t = key_a[2] == key_b[2] or (side_a[2] is not None and side_b[2] is not None)
+            same_k = (key_a[1] == key_b[1] or PLAIN in (side_a[0], side_b[0])
+                      or (side_a[1] is not None and side_b[1] is not None))
+            if same_t and same_k:
+                out.append((key_a, key_b))
+    return out
+
+
+def _config_name(key: tuple) -> str:
+    rule, k, temperature = key
+    return f"plain T={temperature:g}" if rule == PLAIN else f"{rule} k={k} T={temperature:g}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str  # "A vs B"
+    config_a: str
+    config_b: str
+    per_seed: dict  # seed -> PairedEstimate
+    pooled: stats.PairedEstimate
+    planned: bool
+
+
+def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planned: bool = True
+            ) -> list[Comparison]:
+    """A - B on every (problem, seed) both configurations have, per seed and pooled (clustered by
+    problem), for each temperature / k where both are present. `value(row)`: the outcome (the score by
+    default); rows whose value is not a finite number are left out."""
+    units = _units(rows)
+    out = []
+    for key_a, key_b in _matching(units, a, b):
+        triples = defaultdict(list)  # seed -> [(problem, a, b)]
+        for (problem, seed), row in units[key_a].items():
+            other = units[key_b].get((problem, seed))
+            if other is None:
+                continue
+            va, vb = value(row), value(other)
+            if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (va, vb)):
+                triples[seed].append((problem, float(va), float(vb)))
+        pooled = [t for seed in sorted(triples) for t in triples[seed]]
+        out.append(Comparison(f"{a} vs {b}", _config_name(key_a), _config_name(key_b),
+                              {seed: stats.clustered_paired(triples[seed]) for seed in sorted(triples)},
+                              stats.clustered_paired(pooled), planned))
+    return out
+
+
+def planned_look(clusters: int, planned_clusters: int | None, looks: int) -> int:
+    """The look a report is at: the share of the planned problems paired so far, rounded up to the next
+    of `looks` equally spaced looks (the last look once every problem is in)."""
+    if looks == 1 or not planned_clusters:
+        return looks
+    return max(1, min(looks, math.ceil(looks * clusters / planned_clusters - 1e-9)))
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.{digits}f}"
+
+
+def _p(x: float) -> str:
+    return "-" if math.isnan(x) else (f"{x:.2g}" if x < 0.001 else f"{x:.3f}")
+
+
+def _interval(e: stats.PairedEstimate) -> str:
+    return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}]"
+
+
+def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
+                      planned_clusters: int | None = None) -> str:
+    """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
+    both are present and it was not declared), as text: per seed and pooled estimates with 95% intervals,
+    the clustered p, Holm's adjusted p over the declared family, the threshold at this look (Holm's
+    step-down level, turned into the group-sequential design's nominal threshold when one is declared),
+    the decision, and the minimum detectable effect at that threshold with power 0.8."""
+    family, missing = [], []
+    for text in declared:
+        found = compare(rows, *parse_comparison(text))
+        family += found
+        if not found:
+            missing.append(comparison_text(parse_comparison(text)))
+    if not any(c.name == f"lossless vs {PLAIN}" for c in family):
+        family += [replace_planned(c) for c in compare(rows, "lossless", PLAIN)]
+    if not family:
+        return "".join(f"no rows for the declared comparison {m}\n" for m in missing).strip()
+    planned = [c for c in family if c.planned]
+    adjusted = stats.holm([c.pooled.p_value for c in planned])
+    levels = stats.holm_levels([c.pooled.p_value for c in planned], ALPHA)
+    kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
+    seeds = sorted({s for c in family for s in c.per_seed})
+    head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
+            "Holm p", "threshold", "decision", "MDE"]
+    body = []
+    rejecting = True  # Holm's step-down stops at the first hypothesis it keeps
+    order = sorted(range(len(planned)), key=lambda i: (math.isnan(planned[i].pooled.p_value),
+                                                       planned[i].pooled.p_value))
+    decisions: dict[int, tuple[float, str]] = {}
+    for i in order:
+        c = planned[i]
+        look = planned_look(c.pooled.clusters, planned_clusters, looks)
+        threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) if not math.isnan(levels[i])
+                     else math.nan)
+        reject = rejecting and c.pooled.p_value < threshold
+        rejecting = reject
+        decisions[i] = (threshold, "reject" if reject else "keep")
+    for i, c in enumerate(family):
+        per_seed = [_interval(c.per_seed[s]) if s in c.per_seed else "-" for s in seeds]
+        if c.planned:
+            j = planned.index(c)
+            threshold, decision = decisions[j]
+            holm_p = _p(adjusted[j])
+        else:
+            threshold, holm_p = ALPHA, "-"
+            decision = "differs" if c.pooled.p_value < ALPHA else "no difference"
+        usable = not math.isnan(c.pooled.se) and not math.isnan(threshold)
+        mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
+        label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
+        body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
+                     holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-"])
+    design = (f"{kind} boundary, {looks} planned looks, this look from the share of planned problems paired"
+              if looks > 1 else "one look (fixed design)")
+    legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
+              "pooled over (problem x seed) with 95% intervals; p: cluster-robust paired t-test on "
+              "per-problem mean differences (clustered by problem, problems - 1 df); Holm p: adjusted over "
+              f"the {len(planned)} declared comparison(s); threshold: Holm's step-down level at "
+              f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds; "
+              f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
+              "standard error; the calibration row compares two samplers of the same law, so a "
+              "difference there is chance, not a rule effect)")
+    notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
+                    "or not yet decoded)" for m in missing)
+    return text_table(head, body) + "\n" + legend + notes
+
+
+def replace_planned(c: Comparison) -> Comparison:
+    return Comparison(c.name, c.config_a, c.config_b, c.per_seed, c.pooled, planned=False)
+
+
+# ------------------------------------------------------------------------------------ length outcomes
+
+
+def _cap_hit(row: dict) -> float:
+    return float(row.get("finish") == "length")
+
+
+def _stopped(row: dict) -> float:
+    return float(row.get("finish") in ("eos", "stop"))
+
+
+def _tokens(row: dict) -> float:
+    return float(row["tokens"])
+
+
+OUTCOMES = (("cap-hit", _cap_hit), ("tokens", _tokens), ("stopped itself", _stopped))
+
+
+def length_table(rows: list[dict], baseline_of) -> str:
+    """Per configuration: cap-hit rate (finish "length"), mean output length in tokens and the rate of
+    rows that stopped by themselves (a stop token, or the suite's stop condition such as the end of the
+    first code block), each with its paired difference to the configuration's baseline (`baseline_of`,
+    the report's) and a 95% interval clustered by problem; the protocol the rows were scored under."""
+    units = _units(rows)
+    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    protocols = sorted({str(r.get("protocol") or _legacy_protocol(r)) for r in rows})
+    head = ["config", "n"] + [h for name, _ in OUTCOMES for h in (name, f"Δ{name} vs baseline")]
+    body = []
+    for key in configs:
+        group = list(units[key].values())
+        cells = [_config_name(key), str(len(group))]
+        base_rule = baseline_of(key[0])
+        for name, value in OUTCOMES:
+            level = mean(value(r) for r in group)
+            cells.append(f"{level:.1f}" if name == "tokens" else f"{level:.3f}")
+            diffs = [c for c in compare(rows, key[0], base_rule, value) if c.config_a == _config_name(key)] \
+                if base_rule else []
+            cells.append(_interval(diffs[0].pooled) if diffs else "-")
+        body.append(cells)
+    legend = (f"(protocol: {', '.join(protocols)}; cap-hit = finish 'length'; stopped itself = a stop token "
+              "or the suite's stop condition; Δ: paired against the row's baseline (the report's), mean "
+              "and 95% interval clustered by problem)")
+    return text_table(head, body) + "\n" + legend
+
+
+def _legacy_protocol(row: dict) -> str:
+    """The protocol of rows written before rows recorded one: HumanEval and MBPP ran the first code
+    block as it was ("extract"); other suites had one scoring ("default")."""
+    return "extract" if row.get("suite") in ("humaneval", "mbpp") else "default"
+
+
+# ------------------------------------------------------------------------------ difficulty levels
+
+
+def level_table(rows: list[dict], baseline_of) -> str:
+    """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
+    each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
+    its 95% interval clustered by problem, and plain decoding's score per level (the difficulty itself);
+    empty when the rows have no levels or no rule with an honest baseline."""
+    levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
+    if not levels:
+        return ""
+    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    head = ["config - honest baseline", *[f"level {lv}" for lv in levels]]
+    body = []
+    for key in configs:
+        base = baseline_of(key[0]) if key[0] != PLAIN else None
+        if base is None or not base.startswith("honest:"):
+            continue
+        cells = [_config_name(key)]
+        for lv in levels:
+            subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
+            found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
+            cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.clusters}" if found else "-")
+        body.append(cells)
+    plain = [r for r in rows if r["rule"] == PLAIN and isinstance(r.get("score"), (int, float))]
+    if plain:
+        body.append(["plain score (difficulty)", *[
+            f"{mean(r['score'] for r in plain if level_of(r['prompt_id']) == lv):.3f}"
+            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels]])
+    if len(body) == (1 if plain else 0):
+        return ""
+    return text_table(head, body) + ("\n(per level: the rule's score minus its honest truncation sampler's "
+                                     "on the same (problem, seed), mean [95% interval clustered by "
+                                     "problem], whatever its direction)")

