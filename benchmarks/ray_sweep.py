@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import environment, print_table, write_json
 
 from verispec.evaluation.ray_executor import RayOptions
 from verispec.evaluation.store import read_rows
-from verispec.evaluation.sweep import SweepSpec, run_sweep
+from verispec.evaluation.sweep import run_sweep
+from verispec.evaluation.units import SweepSpec
 
 
 def one_run(spec: SweepSpec, out: Path, batch_size: int, workers: int | None) -> dict:

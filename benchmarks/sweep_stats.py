@@ -97,11 +97,11 @@ def rescore(rows: list[dict]) -> None:
 
 
 def pairs(rows: list[dict]) -> None:
-    from verispec.evaluation.report import _is_score, mcnemar_exact, newcombe_paired_interval, paired_table
+    from verispec.evaluation.report import is_score, mcnemar_exact, newcombe_paired_interval, paired_table
 
     scores = defaultdict(dict)  # config -> (prompt, seed) -> score (a scorer that could not run: left out)
     for row in rows:
-        if _is_score(row["score"]):
+        if is_score(row["score"]):
             scores[row["config"]][(row["prompt_id"], row["seed"])] = row["score"]
     print("\nevery pair of configurations on their shared units (0/1 scores):")
     for a, b in itertools.combinations(scores, 2):

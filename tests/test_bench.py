@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec.decode import DecodeConfig, speculative_decode
+from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.evaluation import load_results
 from verispec.evaluation.report import summarize, write_report
 from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows
-from verispec.decode import DecodeConfig, speculative_decode
-from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.models import load_drafter, load_model
 from verispec.rules import parse
 from verispec.sampling import SamplingConfig
@@ -208,7 +208,8 @@ def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
-    from verispec.evaluation.sweep import SweepSpec, run_sweep
+    from verispec.evaluation.sweep import run_sweep
+    from verispec.evaluation.units import SweepSpec
 
     with pytest.raises(ValueError, match="lenience"):
         run_sweep(SweepSpec(rules=("lenience:l=7",)), tmp_path / "x")
@@ -224,7 +225,8 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
     speed reference is re-timed with the new rows), and the result equals decoding everything here."""
     from dataclasses import replace
 
-    from verispec.evaluation.sweep import SweepSpec, run_sweep
+    from verispec.evaluation.sweep import run_sweep
+    from verispec.evaluation.units import SweepSpec
 
     narrow = SweepSpec(suite="shakespeare", target=TARGET, draft=DRAFT, rules=("lenience:l=0.5",), limit=2,
                        max_new_tokens=12)

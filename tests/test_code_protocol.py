@@ -290,12 +290,12 @@ def test_fence_stop_in_the_engine_on_a_toy_pair_batched_equals_batch1(rule):
 
 @pytest.mark.slow
 def test_sweep_rows_record_the_protocol_and_use_the_suite_stop(pair):
-    """`sweep.decode_rows` builds the stop condition from the suite (`Suite.stop`) and every row records
+    """`units.decode_rows` builds the stop condition from the suite (`Suite.stop`) and every row records
     the suite's protocol."""
     from dataclasses import replace
 
     from verispec.evaluation.suites import load_suite
-    from verispec.evaluation.sweep import RunConfig, SweepSpec, decode_rows
+    from verispec.evaluation.units import RunConfig, SweepSpec, decode_rows
 
     target, drafter = pair
     base = load_suite("shakespeare").limit(3)

@@ -24,7 +24,8 @@ ray = pytest.importorskip("ray")
 from verispec.cli import main  # noqa: E402
 from verispec.evaluation.ray_executor import RayExecutorError, RayOptions  # noqa: E402
 from verispec.evaluation.store import read_rows  # noqa: E402
-from verispec.evaluation.sweep import SweepSpec, run_sweep  # noqa: E402
+from verispec.evaluation.sweep import run_sweep  # noqa: E402
+from verispec.evaluation.units import SweepSpec  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 RULES = ("speccascade:min_p=0.1", "lenience:l=0.5")

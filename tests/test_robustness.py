@@ -20,7 +20,7 @@ from verispec.decode import DecodeConfig, autoregressive_decode, speculative_dec
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows
 from verispec.evaluation.suites import Item
-from verispec.evaluation.sweep import RunConfig, SweepSpec, unit_key
+from verispec.evaluation.units import RunConfig, SweepSpec, unit_key
 from verispec.models import ModelDrafter, TabularModel, load_drafter, load_model
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process

@@ -146,7 +146,8 @@ def test_parse_comparison():
 
 
 def test_sweep_settings_keep_old_sweeps_resumable():
-    from verispec.evaluation.sweep import SweepSpec, _settings_json
+    from verispec.evaluation.sweep import _settings_json
+    from verispec.evaluation.units import SweepSpec
 
     assert "compare" not in json.loads(_settings_json(SweepSpec()))  # as written before comparisons existed
     declared = SweepSpec(compare=("lossless:plain",), sequential="obf:3")

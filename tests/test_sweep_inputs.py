@@ -16,7 +16,8 @@ from verispec.cli import main
 from verispec.evaluation.report import summarize, usable_rows, write_report
 from verispec.evaluation.store import read_rows
 from verispec.evaluation.suites import Item, load_suite
-from verispec.evaluation.sweep import RunConfig, SweepSpec, exact_number, run_sweep, unit_key
+from verispec.evaluation.sweep import run_sweep
+from verispec.evaluation.units import RunConfig, SweepSpec, exact_number, unit_key
 from verispec.rules import parse
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,11 +12,12 @@ import threading
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError
-from verispec.jsonsafe import json_safe
-from verispec.ray_cluster import RayOptions
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SweepLockedError
-from verispec.evaluation.sweep import SweepSpec, run_sweep
+from verispec.evaluation.sweep import run_sweep
+from verispec.evaluation.units import SweepSpec
+from verispec.jsonsafe import json_safe
+from verispec.ray_cluster import RayOptions
 from verispec.rules import names, rule_class
 from verispec.tables import markdown_table, text_table
 

@@ -8,7 +8,7 @@ How the work splits (docs/design.md, 'Sweeps on Ray'):
   the backend name and the context check from the workers' reports (they must all agree), so a big
   pair's weights live only on the workers and the driver can be a small CPU head node.
 - **Work units.** One configuration on up to `batch_size` (prompt, seed) rows: exactly the batches
-  the local executor decodes (`sweep.work_units`), through the same code (`sweep.decode_rows`), so
+  the local executor decodes (`units.work_units`), through the same code (`units.decode_rows`), so
   every row, its tokens and its per-row generator (seeded by seed * 1_000_003 + prompt index) are
   those of the local executor; only timings differ.
 - **Flow.** At most `max_in_flight` units per worker (2: one decoding, one queued), so a slow worker
@@ -34,10 +34,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from verispec import ray_cluster
-from verispec.ray_cluster import RayOptions
+from verispec.api import as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
 from verispec.evaluation.store import ResultsFile
+from verispec.evaluation.units import backend_of, check_contexts, decode_rows, unit_key, warm_up, work_units
+from verispec.evaluation.units import progress as unit_progress
 from verispec.models.hf import proc_kib_field
+from verispec.ray_cluster import RayOptions
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +125,6 @@ class SweepWorker:
     """One worker's state: the model pair, loaded once, and the prompts (RayPool makes it an actor)."""
 
     def __init__(self, spec, suite, max_new: int, num_threads: int):
-        import torch
-
         torch.set_num_threads(max(1, num_threads))  # the actor's num_cpus
         self.spec, self.suite, self.max_new = spec, suite, max_new
         self.models = None
@@ -135,9 +138,6 @@ class SweepWorker:
 
     def load(self) -> dict:
         """Load the pair (once), encode the prompts, check them against the context, warm up."""
-        from verispec.api import as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
-        from verispec.evaluation.sweep import backend_of, check_contexts, warm_up
-
         if self.models is None:
             spec = self.spec
             check_device(spec.device)
@@ -155,8 +155,6 @@ class SweepWorker:
 
     def decode(self, spec, config, rows: list[tuple[int, int]]) -> list[dict]:
         """The finished rows of one work unit: `config` on the (prompt index, seed) `rows`."""
-        from verispec.evaluation.sweep import decode_rows
-
         self.load()  # a worker Ray restarted loads the pair again here
         if spec.backend != self.backend:
             raise ValueError(f"this worker runs the {self.backend} backend but the sweep is on "
@@ -180,7 +178,7 @@ class _Worker:
 @dataclass
 class _Unit:
     config: object
-    members: list  # (prompt index, item, seed, config), as in sweep.work_units
+    members: list  # (prompt index, item, seed, config), as in units.work_units
     attempts: int = 0
     keys: list[str] = field(default_factory=list)
 
@@ -259,14 +257,12 @@ class RayPool:
                   on_row: Callable[[dict, tuple], None] | None = None, run: str = "") -> None:
         """Hand the units not yet in the results file to the workers; append their rows as they land,
         each marked with this sweep run's id (`run`, as the local executor's rows)."""
-        from verispec.evaluation.sweep import _progress, unit_key, work_units
-
         ray = self.ray
         with ResultsFile(results_path) as store:
             work = work_units(units, store.done, spec, batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
                           for config, members in work)
-            bar = _progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
+            bar = unit_progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
             in_flight: dict = {}  # object ref -> (worker, unit)
             try:
                 while queue or in_flight:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
+import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -32,6 +34,7 @@ from verispec.evaluation.comparisons import comparisons_table, length_table, lev
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
+from verispec.rules import honest_baseline, parse
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
 OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
@@ -141,8 +144,6 @@ def _binary(values: list) -> bool:
 def baseline_of(config_rule: str) -> str | None:
     """The config a row's score is compared with: the honest truncation sampler for a truncation rule,
     plain decoding for lossless, lossless otherwise; None for plain and the honest samplers themselves."""
-    from verispec.rules import honest_baseline, parse
-
     if config_rule == "plain":
         return None
     if config_rule == "lossless":
@@ -166,13 +167,13 @@ def _batch_size(row: dict) -> int:
     return int(row.get("batch_size", 1))
 
 
-def _is_score(x) -> bool:
+def is_score(x) -> bool:
     """A finite number (None, NaN and inf are not)."""
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _finite(xs) -> list[float]:
-    return [x for x in xs if _is_score(x)]
+    return [x for x in xs if is_score(x)]
 
 
 def _bins(values: list[float], edges: list[float]) -> list[int]:
@@ -252,7 +253,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         tokens = sum(r["tokens"] for r in group)
         s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
         s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
-        scores = [r["score"] for r in group if _is_score(r["score"])]
+        scores = [r["score"] for r in group if is_score(r["score"])]
         s["scored"] = len(scores)  # rows with a finite score (`score_notes` names the others)
         s["score"], s["score_ci"] = t_interval(scores)
         s["binary_score"] = _binary(scores)
@@ -265,7 +266,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         if base_id:
             for r in group:
                 b = index.get((base_id, r["prompt_id"], r["seed"]))
-                if b is not None and _is_score(r["score"]) and _is_score(b["score"]):
+                if b is not None and is_score(r["score"]) and is_score(b["score"]):
                     paired.append((r["score"], b["score"]))
         s["score_diff"], s["score_diff_ci"] = t_interval([a - b for a, b in paired])
         diff, half = s["score_diff"], s["score_diff_ci"]
@@ -418,7 +419,7 @@ def _batch_sizes(summary: list[dict]) -> str:
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plotting only: the text report never loads matplotlib
 
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
@@ -432,7 +433,7 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 
 
 def plots(summary: list[dict]) -> dict[str, str]:
-    import matplotlib
+    import matplotlib  # plotting only; the backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -684,7 +685,7 @@ def score_notes(rows: list[dict]) -> list[str]:
     """A note counting and naming the rows whose score is not a finite number (NaN, inf, null, a string):
     they are left out of the score, its interval and the paired difference, so a column's n is smaller
     than its row count (the score column says `n=X of Y`)."""
-    unscored = [r for r in rows if not _is_score(r["score"])]
+    unscored = [r for r in rows if not is_score(r["score"])]
     if not unscored:
         return []
     named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']}): {r['score']!r}"
@@ -712,9 +713,6 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
-    import json
-    import logging
-
     path = results_file(results_dir)
     if not path.exists():
         raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")

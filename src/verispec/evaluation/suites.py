@@ -124,7 +124,7 @@ def _text_metrics(output: str, item: Item) -> dict[str, float]:
 
 
 # The score of suites without a task: the generated text's mean log-likelihood per token under the target
-# (temperature 1, no truncation), computed by the decode loop, not from the text (sweep.make_row adds it to
+# (temperature 1, no truncation), computed by the decode loop, not from the text (units.make_row adds it to
 # every row's metrics). Higher: text the target finds likelier. Distinct-2 reads about 1.000 on every rule
 # of the default pair, so it cannot rank them; the likelihood separates the rules the distribution
 # metrics separate (README, 'Findings on the default pair').

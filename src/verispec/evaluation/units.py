@@ -1,0 +1,314 @@
+"""Sweep units: what one unit of a sweep is (a prompt, a seed and a configuration under the sweep's
+settings), its key, how a batch of units is decoded into rows, and the local executor.
+
+Both executors (`LocalExecutor` here, `verispec.evaluation.ray_executor.RayPool` on Ray actors) hand
+out the same work units (`work_units`) and decode them with the same function (`decode_rows`), so
+their rows are the same; `verispec.evaluation.sweep.run_sweep` drives either through one interface.
+Definitions: docs/design.md, 'Sweep units and reuse'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from verispec import defaults
+from verispec.api import DTYPES, as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
+from verispec.decode import DecodeConfig, Generation, check_context, decode_prompts
+from verispec.evaluation.comparisons import parse_comparison
+from verispec.evaluation.stats import parse_sequential
+from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile
+from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
+from verispec.models import default_draft
+from verispec.rules import honest_baseline, parse
+from verispec.sampling import SamplingConfig
+
+PLAIN = "plain"
+
+
+STEP_FIELDS = ("role", "tv", "kl", "tv_baseline", "max_ratio", "tail_mass", "expected_accept",
+               "draft_confidence", "draft_over_target", "log_law", "log_target", "log_target_raw")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    rule: str  # canonical rule spec, or "plain"
+    k: int
+    temperature: float
+
+    @property
+    def id(self) -> str:
+        """`RULE k=K T=TEMP` (`plain T=TEMP`); part of the unit key, so TEMP round-trips exactly."""
+        t = exact_number(self.temperature)
+        return f"{self.rule} k={self.k} T={t}" if self.rule != PLAIN else f"plain T={t}"
+
+    @property
+    def legacy_id(self) -> str:
+        """The id verispec wrote before exact temperatures (`:g`, 6 significant digits): the same as `id`
+        whenever the temperature is exact in 6 digits (every committed sweep), else a rounded one."""
+        return (f"{self.rule} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
+                else f"plain T={self.temperature:g}")
+
+
+def exact_number(value: float) -> str:
+    """`value` in its shortest `:g` form when that reads back as exactly `value` (1.0 -> '1', 0.7 ->
+    '0.7': the ids of every sweep written so far), else Python's round-tripping repr (1.0000001 ->
+    '1.0000001', which `:g` wrote as '1' and so merged two temperatures into one unit)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    suite: str = "shakespeare"
+    target: str = defaults.TARGET
+    draft: str = defaults.AUTO_DRAFT  # resolved to the target's default drafter by `resolved()`
+    rules: tuple[str, ...] = ("lossless",)
+    temperatures: tuple[float, ...] = (1.0,)
+    ks: tuple[int, ...] = (defaults.K,)
+    seeds: tuple[int, ...] = (0,)
+    limit: int | None = None  # number of prompts (None: the whole suite)
+    max_new_tokens: int | None = None  # None: the suite's default
+    device: str = "cpu"
+    dtype: str = "float32"  # the target's compute dtype
+    draft_dtype: str = "float32"
+    backend: str | None = None  # the target's backend (lean / hf); filled in by run_sweep once it is loaded
+    # planned comparisons, declared up front ("A:B" or "A vs B", rule specs or plain) and an optional
+    # group-sequential design for interim looks ("pocock:K" / "obf:K"): read by the report
+    # (`comparisons`); they change no result, so they are not part of a unit's key
+    compare: tuple[str, ...] = ()
+    sequential: str | None = None
+
+    def resolved(self) -> SweepSpec:
+        """The spec with the draft named: "auto" becomes the target's default drafter (a sweep's rows and
+        unit keys always name the drafter that decoded them)."""
+        if self.draft != defaults.AUTO_DRAFT:
+            return self
+        return replace(self, draft=default_draft(self.target))
+
+    def validate(self, device_here: bool = True) -> None:
+        """Every setting checked (ValueError / TypeError naming it) before anything is written.
+
+        `device_here=False` (the Ray executor: the models run on the workers, not on this machine) checks
+        only that the device names a torch device type; the workers check that they have it."""
+
+        for name in ("suite", "target", "draft"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"sweep {name} must be a non-empty string, got {getattr(self, name)!r}")
+        load_suite(self.suite)  # unknown suite, missing file
+        for name, values in (("rules", self.rules), ("temperatures", self.temperatures), ("ks", self.ks),
+                             ("seeds", self.seeds)):
+            if not values:
+                raise ValueError(f"sweep {name} must not be empty")
+        for t in self.temperatures:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        for k in self.ks:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {k!r}")
+        for seed in self.seeds:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SWEEP_SEED:
+                raise ValueError(f"seed must be an integer in [0, 2**40], got {seed!r}")
+        for name in ("limit", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or unset), got {value!r}")
+        for name in ("dtype", "draft_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        if device_here:
+            check_device(self.device)
+        elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        self.configs()  # parses every rule spec
+        if not isinstance(self.compare, (tuple, list)):
+            raise ValueError(f"compare must be a list of comparisons ('A:B'), got {self.compare!r}")
+        for text in self.compare:
+            parse_comparison(text)
+        if self.sequential is not None:
+            parse_sequential(self.sequential)
+
+    def configs(self) -> list[RunConfig]:
+        """The grid, baselines included: plain, lossless and honest truncation samplers."""
+        rules = [parse(r) for r in self.rules]  # validates every spec up front
+        specs: list[str] = ["lossless"]
+        for rule in rules:
+            specs.append(rule.spec)
+            honest = honest_baseline(rule)
+            if honest is not None:
+                specs.append(honest.spec)
+        specs = list(dict.fromkeys(specs))  # de-duplicate, keep order
+        out = [RunConfig(PLAIN, 0, t) for t in self.temperatures]
+        out += [RunConfig(s, k, t) for t in self.temperatures for k in self.ks for s in specs]
+        return out
+
+
+MAX_SWEEP_SEED = 2**40  # a unit's generator is seeded with seed * 1_000_003 + prompt index (< 2**64)
+
+
+def unit_key(spec: SweepSpec, item: Item, seed: int, config: RunConfig) -> str:
+    """The identity of a unit: every setting that changes its result (models, dtypes, device, backend)."""
+    raw = json.dumps([SCHEMA_VERSION, spec.suite, spec.target, spec.draft, item.id, seed, config.id,
+                      spec.max_new_tokens, spec.dtype, spec.draft_dtype, spec.device, spec.backend])
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _round(values: list, digits: int = 6) -> list:
+    return [v if isinstance(v, str) else (float(f"{v:.{digits}g}") if math.isfinite(v) else v)
+            for v in values]
+
+
+def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, config: RunConfig,
+             gen: Generation, text: str) -> dict:
+    if gen.steps is None:
+        raise ValueError("sweep rows need per-step diagnostics (DecodeConfig.diagnostics=True)")
+    metrics = suite.score(text, item)
+    stats = gen.stats()
+    metrics[TARGET_LOGLIK] = -stats["target_nll"]  # every suite's; the score of suites without a task
+    del stats["rule"]  # the row's rule is the config's (plain decoding reports "plain" too)
+    del stats["verification"]  # the per-response report (verispec serve); rows keep the full steps
+    return {
+        "schema": SCHEMA_VERSION, "unit": unit_key(spec, item, seed, config),
+        "suite": suite.name, "prompt_id": item.id, "prompt_index": index, "seed": seed,
+        "target": spec.target, "draft": spec.draft, "dtype": spec.dtype, "draft_dtype": spec.draft_dtype,
+        "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule,
+        "k": config.k,
+        "temperature": config.temperature,
+        "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
+        **stats,
+        "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
+        "protocol": suite.protocol,
+        "text": text, "token_ids": list(gen.token_ids),
+        "steps": {f: _round(gen.steps[f]) for f in STEP_FIELDS if f in gen.steps},
+    }
+
+
+def progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm  # optional: no bar without it
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="run", desc="sweep", file=sys.stderr, dynamic_ncols=True)
+
+
+def backend_of(target) -> str:
+    """The backend a loaded target runs on (lean / hf), as recorded in sweep.json and every unit key."""
+    return str(getattr(target, "backend", None) or os.environ.get("VERISPEC_BACKEND", "n/a"))
+
+
+def check_contexts(suite: Suite, prompts: list[list[int]], target, drafter, max_new: int) -> None:
+    """Refuse (ValueError naming the prompt) a prompt + max_new that does not fit a model's context."""
+
+    for item, ids in zip(suite.items, prompts):
+        try:
+            check_context(target, len(ids), max_new, drafter)
+        except ValueError as err:
+            raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
+
+
+def work_units(units, done: set[str], spec: SweepSpec, batch_size: int) -> list[tuple[RunConfig, list]]:
+    """The work still to do, in the order both executors hand it out: `batch_size` (prompt, seed) rows
+    at a time, every configuration on those rows back to back; each item is (config, its units)."""
+    todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in done]
+    pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
+    rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
+    configs = list(dict.fromkeys(u[3] for u in units))
+    out = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        for config in configs:
+            members = [pending[(i, seed, config)] for i, seed in chunk if (i, seed, config) in pending]
+            if members:
+                out.append((config, members))
+    return out
+
+
+def warm_up(target, drafter, prompt_ids: list[int]) -> None:
+    """One tiny decode, so the first timed unit does not pay one-off costs."""
+    warm = DecodeConfig(k=2, max_new_tokens=4, diagnostics=False)
+    decode_prompts(target, [prompt_ids], [torch.Generator().manual_seed(0)], warm, drafter, "lossless")
+
+
+def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members, config: RunConfig,
+                max_new: int) -> list[dict]:
+    """The finished rows of one work unit (one configuration on `members`), timed as one batch."""
+    began = time.perf_counter()
+    stop_check = suite.stop(target.decode) if suite.stop is not None else None
+    generations = _decode(target, drafter, prompts, members, config, max_new, stop_check)
+    batch_seconds = time.perf_counter() - began
+    rows = []
+    for (index, item, seed, _), gen in zip(members, generations):
+        row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
+        row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
+        rows.append(row)
+    return rows
+
+
+def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
+            stop_check=None) -> list[Generation]:
+    """The generations of one configuration on a batch of units, decoded together (`stop_check`: the
+    suite's stop condition, `Suite.stop`)."""
+    sampling = SamplingConfig(temperature=config.temperature)
+    generators = [torch.Generator().manual_seed(seed * 1_000_003 + index) for index, _, seed, _ in members]
+    ids = [prompts[index] for index, _, _, _ in members]
+    if config.rule == PLAIN:
+        plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
+        return decode_prompts(target, ids, generators, plain)
+    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
+    return decode_prompts(target, ids, generators, decode, drafter, config.rule)
+
+
+class LocalExecutor:
+    """The local executor: loads the pair in this process and decodes the work units here. The same
+    interface as the Ray executor's `RayPool` (a context manager with `backend` and `run_units`), so
+    `run_sweep` drives both alike (docs/design.md, 'Sweeps on Ray')."""
+
+    def __init__(self, spec: SweepSpec, suite: Suite, max_new: int):
+        self.spec, self.suite, self.max_new = spec, suite, max_new
+
+    def __enter__(self) -> LocalExecutor:
+        spec = self.spec
+        self.target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+        self.backend = backend_of(self.target)
+        self.drafter = resolve_drafter(spec.draft, self.target, spec.device, as_dtype(spec.draft_dtype))
+        self.prompts = [encode_prompt(self.target, item.prompt, self.suite.chat) for item in self.suite.items]
+        check_contexts(self.suite, self.prompts, self.target, self.drafter, self.max_new)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def run_units(self, spec: SweepSpec, suite: Suite, units, results_path, progress_bar: bool,
+                  batch_size: int, on_row=None, run: str = "") -> None:
+        """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
+
+    Rows of one configuration are decoded together (`decode.decode_prompts`), and every
+    configuration runs on the same rows back to back, so speed is compared interleaved and at the same
+    batch size. Each row draws from its own generator, seeded by (seed, prompt index), so
+    its tokens do not depend on the batch it lands in (up to float rounding of different
+    matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
+        with ResultsFile(results_path) as store:
+            work = work_units(units, store.done, spec, batch_size)
+            todo = sum(len(members) for _, members in work)
+            bar = progress(len(units), len(units) - todo, progress_bar)
+            if work:
+                warm_up(self.target, self.drafter, self.prompts[0])
+            for config, members in work:
+                for row in decode_rows(spec, suite, self.target, self.drafter, self.prompts, members, config,
+                                       self.max_new):
+                    store.append({**row, "run": run})
+                    if bar is not None:
+                        bar.update(1)
+                    if on_row is not None:
+                        on_row(row, ())
+            if bar is not None:
+                bar.close()
