@@ -36,7 +36,7 @@ from verispec.trees import (DraftShape, MultiDraft, TokenTree, TreeRule, TreeVer
                             traversal_verify, verify_tree)
 
 __all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tree", "shape_depth",
-           "tree_verification", "verify_block"]
+           "tree_verification", "tree_verification_rule", "verify_block"]
 
 TRAVERSAL = "traversal"
 
@@ -75,6 +75,10 @@ class TreeVerification:
         return TRAVERSAL if self.rule is None else self.rule.spec
 
     @property
+    def family(self) -> str:
+        return "lossless" if self.rule is None else self.rule.family
+
+    @property
     def proposal(self) -> str:
         return proposal_kind(self.shape)
 
@@ -88,13 +92,12 @@ class TreeVerification:
         return getattr(self.rule, key)
 
 
-def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> TreeVerification:
-    """Check a tree-mode decoder's rule, shape and drafter (before any forward pass) and pair them.
-
-    rule: a tree rule spec (`lossless`, `greedy`, `lenience:l=0.5`, ..., or `traversal`), a `TreeRule`,
-    or a `TreeVerification`. ValueError: a chain rule object, no drafter or a model-free one, a width
-    above the vocabulary, and a lossy rule on sampled drafts (its per-step law is known exactly only
-    given the drafted tree, not given the prefix; top-k trees are a function of the prefix)."""
+def tree_verification_rule(rule, shape: DraftShape) -> TreeVerification:
+    """Pair a tree rule with a draft shape, checked without any model (the api and sweeps call it
+    before loading). rule: a tree rule spec (`lossless`, `greedy`, `lenience:l=0.5`, ..., or
+    `traversal`), a `TreeRule`, or a `TreeVerification`. ValueError: a chain rule object, and a lossy
+    rule on sampled drafts (its per-step law is known exactly only given the drafted tree, not given
+    the prefix; top-k trees are a function of the prefix)."""
     if isinstance(rule, TreeVerification):
         rule = rule.rule if rule.rule is not None else TRAVERSAL
     if isinstance(rule, Rule):
@@ -104,7 +107,22 @@ def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> Tree
     if rule is None:
         raise ValueError("tree decoding needs a verification rule, e.g. 'lossless' or 'traversal'")
     if isinstance(rule, str):
-        rule = None if rule.strip() == TRAVERSAL else parse_tree_rule(rule)
+        try:
+            rule = None if rule.strip() == TRAVERSAL else parse_tree_rule(rule)
+        except ValueError as err:
+            raise ValueError(f"{err} (or traversal)") from None
+    verification = TreeVerification(rule, shape)
+    if isinstance(shape, MultiDraft) and not verification.lossless:
+        raise ValueError(f"rule '{verification.spec}' is lossy on sampled drafts ({shape.spec}): its exact "
+                         "per-token law is known given the prefix only on top-k trees; use tree:widths=... "
+                         "or a lossless rule (lossless, traversal)")
+    return verification
+
+
+def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> TreeVerification:
+    """`tree_verification_rule`, then the drafter and vocabulary (before any forward pass): ValueError
+    for no drafter or a model-free one, and a width above the vocabulary."""
+    verification = tree_verification_rule(rule, shape)
     if drafter is None or getattr(drafter, "model", None) is None:
         got = "no drafter" if drafter is None else getattr(drafter, "name", drafter)
         raise ValueError(f"a tree draft ({shape.spec}) needs a model drafter (its distribution at every "
@@ -112,11 +130,6 @@ def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> Tree
     if isinstance(shape, TreeWidths) and max(shape.widths) > vocab_size:
         raise ValueError(f"tree width {max(shape.widths)} exceeds the vocabulary ({vocab_size} tokens); "
                          "use widths of at most the vocabulary size")
-    verification = TreeVerification(rule, shape)
-    if isinstance(shape, MultiDraft) and not verification.lossless:
-        raise ValueError(f"rule '{verification.spec}' is lossy on sampled drafts ({shape.spec}): its exact "
-                         "per-token law is known given the prefix only on top-k trees; use tree:widths=... "
-                         "or a lossless rule (lossless, traversal)")
     return verification
 
 
