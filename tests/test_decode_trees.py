@@ -159,7 +159,7 @@ def test_exact_stream_law_of_lossless_is_the_target():
 
 def test_engine_tree_is_the_topk_tree_of_the_draft():
     """The engine's drafting (a per-row draft_fn on the drafter's session) builds `topk_tree` of the
-    processed draft after the context."""
+    draft's own distribution after the context, whatever the sampling settings."""
     target, draft = toy_pair()
     scorer = TreeScorer(draft)
     context = torch.tensor([1, 2, 0])
@@ -168,6 +168,8 @@ def test_engine_tree_is_the_topk_tree_of_the_draft():
     want = topk_tree((2, 2), lambda paths: torch.tensor(np.stack([q_fn(p) for p in paths])).float())
     assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
     torch.testing.assert_close(tree.draft_probs, want.draft_probs, rtol=0, atol=1e-6)
+    greedy = draft_tree(scorer, 0, context, TreeWidths((2, 2)), 2, SamplingConfig(temperature=0), None, V)
+    assert torch.equal(greedy.tokens, want.tokens)  # ranked by the draft's own law, not the one-hot one
     cut = draft_tree(scorer, 0, context, TreeWidths((2, 2)), 1, SamplingConfig(), None, V)
     assert cut.depth == 1 and cut.size == 2
     assert draft_tree(scorer, 0, context, TreeWidths((2, 2)), 0, SamplingConfig(), None, V).size == 0

@@ -239,12 +239,19 @@ def _root_only(vocab: int, proposal: str) -> TokenTree:
 
 def draft_tree(scorer: TreeScorer, row: int, context: Tensor, shape: DraftShape, depth: int,
                sampling: SamplingConfig, generator: torch.Generator | None, vocab: int) -> TokenTree:
-    """Draft one row's tree of at most `depth` levels after `context` (the shape cut to the room left)."""
+    """Draft one row's tree of at most `depth` levels after `context` (the shape cut to the room left).
+
+    Top-k trees rank children by the draft's own distribution (softmax of its logits, temperature 1,
+    no truncation), as EAGLE does: it orders tokens as the processed one does wherever that one is
+    positive, and still ranks them where it is zero (at temperature 0 every token but the argmax).
+    The children are deterministic, so their proposal law is one-hot whatever the ranking, and no tree
+    rule reads q on top-k trees; their `draft_probs` (the diagnostics' q) are that distribution.
+    Sampled drafts draw from the processed draft, as chains do (their proposal law is q itself)."""
     if depth < 1:
         return _root_only(vocab, proposal_kind(shape))
-    draft_fn = _RowDraft(scorer, row, context, sampling)
     if isinstance(shape, TreeWidths):
-        return topk_tree(TreeWidths(shape.widths[:depth]), draft_fn)
+        return topk_tree(TreeWidths(shape.widths[:depth]), _RowDraft(scorer, row, context, SamplingConfig()))
+    draft_fn = _RowDraft(scorer, row, context, sampling)
     uniforms = torch.rand(shape.n, depth, generator=generator, dtype=torch.float64)  # [n, D]
     chains = sample_chains(shape.n, depth, draft_fn, uniforms, bool(shape.replacement))  # [n, D]
     return chain_tree(chains, draft_fn, bool(shape.replacement))
