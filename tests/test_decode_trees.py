@@ -255,6 +255,9 @@ def test_bad_input_is_refused_before_any_forward_pass():
     with pytest.raises(ValueError, match="tree depth 4 exceeds the 3 positions left in the context"):
         decoder.add([0] * 17, torch.Generator())
     assert decoder.active == [] and short.calls == 0
+    with pytest.raises(ValueError, match="prompt 1: tree depth 4 exceeds"):
+        decode_prompts(short, [[1], [0] * 17], [None, None], config, drafter, "lossless")
+    assert short.calls == 0 and draft.calls == 0
 
 
 # ---------------------------------------------------------------------------------------------

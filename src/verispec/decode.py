@@ -284,6 +284,13 @@ def check_context(model, prompt_len: int, max_new_tokens: int, drafter=None) -> 
             )
 
 
+def check_tree_room(model, prompt_len: int, config: DecodeConfig) -> None:
+    """Refuse (ValueError) a tree deeper than the positions the model's context leaves after the prompt."""
+    limit = max_context(model)
+    if config.tree is not None and limit is not None:
+        check_depth(shape_depth(config.tree, config.k), limit - prompt_len)
+
+
 def stop_ids(model) -> frozenset[int]:
     """The token ids that end a generation: the model's `stop_token_ids` (all its end-of-sequence
     tokens, e.g. Qwen's <|im_end|> and <|endoftext|>), else its single `eos_token_id`."""
@@ -426,6 +433,10 @@ class BatchDecoder:
     verification draws; plain: one draw per token), so a row's output does not depend on the other
     rows (give every row its own generator: rows sharing one interleave their draws).
 
+    Tree mode (`DecodeConfig.tree`, a tree rule): each block drafts a token tree or several chains per
+    row and verifies it with a tree rule or Traversal Verification (`verispec.tree_decode`, docs/design.md
+    'Tree decoding'); one target pass scores every row's tree on the lean backend.
+
     One rule and one sampling setting per decoder (they are applied to all rows in batched ops);
     per row: k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
     (`add(config=...)`).
@@ -488,9 +499,7 @@ class BatchDecoder:
         prompt = _as_prompt(prompt_ids)[0]  # [L0]
         _check_tokens(prompt, self.target.vocab_size)
         check_context(self.target, prompt.shape[0], config.max_new_tokens, self.drafter)
-        limit = max_context(self.target)
-        if config.tree is not None and limit is not None:
-            check_depth(shape_depth(config.tree, config.k), limit - prompt.shape[0])
+        check_tree_room(self.target, prompt.shape[0], config)
         row = self._next_id
         self._next_id += 1
         stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
@@ -699,6 +708,7 @@ def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequenc
             ids = _as_prompt(prompt)
             _check_tokens(ids, target.vocab_size)
             check_context(target, ids.shape[1], config.max_new_tokens, drafter)
+            check_tree_room(target, ids.shape[1], config)
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}" if len(prompts) > 1 else str(err)) from None
     waiting = list(zip(prompts, generators))
