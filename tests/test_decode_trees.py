@@ -327,3 +327,19 @@ def test_default_pair_rows_in_a_batch_equal_rows_alone(pair, suite_prompts, spec
         assert batched[i].token_ids == alone.token_ids
         assert batched[i].blocks == alone.blocks
         np.testing.assert_allclose(batched[i].steps["log_law"], alone.steps["log_law"], rtol=0, atol=1e-4)
+
+
+def test_toy_stop_token_and_length_limit_in_tree_blocks():
+    target, draft = toy_pair()
+    target.eos_token_id = 2
+    gen = torch.Generator().manual_seed(0)
+    config = DecodeConfig(k=3, max_new_tokens=6, tree="tree:widths=2,2")
+    for _ in range(30):
+        [out] = decode_prompts(target, [[1]], [gen], config, ModelDrafter(draft), "lossless")
+        ids = list(out.token_ids)
+        assert len(ids) <= 6
+        if 2 in ids:
+            assert ids.index(2) == len(ids) - 1 and out.finish == "eos"
+        else:
+            assert len(ids) == 6 and out.finish == "length"
+        assert sum(b.emitted for b in out.blocks) == len(ids) == len(out.steps["tv"])
