@@ -26,7 +26,7 @@ from verispec.models import ModelDrafter, NGramDrafter, TabularModel
 from verispec.rules import parse
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, Costs
-from verispec.tree_decode import TreeScorer, draft_tree
+from verispec.tree_decode import TreeScorer, draft_tree, draft_trees
 from verispec.trees import TreeWidths, block_law, parse_tree_rule, topk_tree
 
 V = 3
@@ -158,8 +158,8 @@ def test_exact_stream_law_of_lossless_is_the_target():
 
 
 def test_engine_tree_is_the_topk_tree_of_the_draft():
-    """The engine's drafting (a per-row draft_fn on the drafter's session) builds `topk_tree` of the
-    draft's own distribution after the context, whatever the sampling settings."""
+    """The engine's drafting builds `topk_tree` of the draft's own distribution after the context,
+    whatever the sampling settings: per row (`draft_tree`) and for all rows together (`draft_trees`)."""
     target, draft = toy_pair()
     scorer = TreeScorer(draft)
     context = torch.tensor([1, 2, 0])
@@ -170,6 +170,14 @@ def test_engine_tree_is_the_topk_tree_of_the_draft():
     torch.testing.assert_close(tree.draft_probs, want.draft_probs, rtol=0, atol=1e-6)
     greedy = draft_tree(scorer, 0, context, TreeWidths((2, 2)), 2, SamplingConfig(temperature=0), None, V)
     assert torch.equal(greedy.tokens, want.tokens)  # ranked by the draft's own law, not the one-hot one
+    others = [torch.tensor([0, 0]), torch.tensor([2, 1, 1, 0])]  # batched: rows of other depths
+    trees, passes = draft_trees(TreeScorer(draft), [0, 1, 2], [context, *others], TreeWidths((2, 2)),
+                                [2, 1, 0], SamplingConfig(temperature=0), [None] * 3, V)
+    assert passes == [2, 1, 0] and [t.depth for t in trees] == [2, 1, 0]
+    for got, ctx, depth in zip(trees, [context, *others], [2, 1, 0]):
+        alone = draft_tree(TreeScorer(draft), 0, ctx, TreeWidths((2, 2)), depth, SamplingConfig(), None, V)
+        assert torch.equal(got.tokens, alone.tokens) and torch.equal(got.parents, alone.parents)
+        torch.testing.assert_close(got.draft_probs, alone.draft_probs, rtol=0, atol=1e-6)
     cut = draft_tree(scorer, 0, context, TreeWidths((2, 2)), 1, SamplingConfig(), None, V)
     assert cut.depth == 1 and cut.size == 2
     assert draft_tree(scorer, 0, context, TreeWidths((2, 2)), 0, SamplingConfig(), None, V).size == 0

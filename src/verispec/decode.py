@@ -34,7 +34,7 @@ from verispec.rules import Rule, parse
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 from verispec.speculation import AdaptivePolicy, RowAcceptance
-from verispec.tree_decode import (TRAVERSAL, TreeScorer, TreeVerification, draft_tree, shape_depth,
+from verispec.tree_decode import (TRAVERSAL, TreeScorer, TreeVerification, draft_trees, shape_depth,
                                   tree_verification, verify_block)
 from verispec.trees import DraftShape, TreeRule, check_depth, parse_shape
 
@@ -601,12 +601,10 @@ class BatchDecoder:
         vocab = self.target.vocab_size
         shape = self.config.tree
         t0 = time.perf_counter()
-        trees, draft_passes = [], []
-        for row_id, r in zip(ids, rows):  # drafting is per row (a block emits up to depth + 1 tokens)
-            depth = min(shape_depth(shape, r.config.k), r.config.max_new_tokens - r.new - 1)
-            passes0 = draft.passes
-            trees.append(draft_tree(draft, row_id, r.seq, shape, depth, sampling, r.generator, vocab))
-            draft_passes.append(draft.passes - passes0)
+        # a block emits up to depth + 1 tokens
+        depths = [min(shape_depth(shape, r.config.k), r.config.max_new_tokens - r.new - 1) for r in rows]
+        trees, draft_passes = draft_trees(draft, ids, [r.seq for r in rows], shape, depths, sampling,
+                                          [r.generator for r in rows], vocab)
         t1 = time.perf_counter()
         roots = [torch.cat([r.seq[-1:], tree.tokens[1:]]) for r, tree in zip(rows, trees)]  # root first
         # per row [N+1, V]: one tree pass for all rows

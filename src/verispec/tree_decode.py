@@ -9,9 +9,10 @@ the committed tokens plus the accepted path only.
 Target scoring: a `LeanBatchSession` scores all rows' trees in ONE tree-attention pass
 (`verispec.models.lean_tree.score_tree`) and keeps the accepted paths with `commit_paths`. Any other
 backend takes the per-row FALLBACK: one `BatchSession.logits_for` call per root-to-leaf path of each
-row's tree (correct, not fast; the block still counts as one target call). Drafting is per row: each
-`draft_fn` call scores the requested paths as a small tree on the drafter's own session (one
-tree-attention pass per tree level on the lean backend).
+row's tree (correct, not fast; the block still counts as one target call). Drafting: top-k trees grow
+for all rows together, one draft pass per level re-scoring each row's tree so far on the drafter's own
+session (`draft_trees`); multi-drafts row by row, each `draft_fn` call scoring the requested paths as a
+small tree.
 
 Randomness per row, from the row's own generator in a fixed order: `drafts:n=` draws n x D float64
 uniforms for its chains (`sample_chains`), then every block draws N+1 float64 uniforms for the
@@ -35,8 +36,8 @@ from verispec.trees import (DraftShape, MultiDraft, TokenTree, TreeRule, TreeVer
                             chain_tree, parse_tree_rule, sample_chains, step_laws, topk_tree,
                             traversal_verify, verify_tree)
 
-__all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tree", "shape_depth",
-           "tree_verification", "tree_verification_rule", "verify_block"]
+__all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tree", "draft_trees",
+           "shape_depth", "tree_verification", "tree_verification_rule", "verify_block"]
 
 TRAVERSAL = "traversal"
 
@@ -255,6 +256,50 @@ def draft_tree(scorer: TreeScorer, row: int, context: Tensor, shape: DraftShape,
     uniforms = torch.rand(shape.n, depth, generator=generator, dtype=torch.float64)  # [n, D]
     chains = sample_chains(shape.n, depth, draft_fn, uniforms, bool(shape.replacement))  # [n, D]
     return chain_tree(chains, draft_fn, bool(shape.replacement))
+
+
+def draft_trees(scorer: TreeScorer, rows: Sequence[int], contexts: Sequence[Tensor], shape: DraftShape,
+                depths: Sequence[int], sampling: SamplingConfig, generators: Sequence[torch.Generator | None],
+                vocab: int) -> tuple[list[TokenTree], list[int]]:
+    """Every row's tree for this block, and the draft passes each row took part in.
+
+    Top-k trees are expanded for all rows together, one draft pass per level over the rows still
+    growing (each pass re-scores the row's tree so far, then rolls it back), node for node the tree
+    `topk_tree` builds (tested); multi-drafts are drawn row by row (`draft_tree`)."""
+    if not isinstance(shape, TreeWidths):
+        trees, passes = [], []
+        for row, context, depth, gen in zip(rows, contexts, depths, generators):
+            before = scorer.passes
+            trees.append(draft_tree(scorer, row, context, shape, depth, sampling, gen, vocab))
+            passes.append(scorer.passes - before)
+        return trees, passes
+    # per row, as topk_tree: parents, depths, tokens, draft rows (q at the parent), the current level
+    grown = [{"parents": [-1], "depths": [0], "tokens": [int(c[-1])], "rows": [torch.zeros(vocab)],
+              "level": [0]} for c in contexts]
+    passes = [0] * len(rows)
+    for d, width in enumerate(shape.widths[: max(depths, default=0)]):
+        active = [i for i, depth in enumerate(depths) if depth > d]
+        logits = scorer.score([rows[i] for i in active], [contexts[i] for i in active],
+                              [torch.tensor(grown[i]["tokens"]) for i in active],
+                              [torch.tensor(grown[i]["parents"]) for i in active])  # per row [M, V]
+        scorer.rollback()
+        for i, row_logits in zip(active, logits):
+            g, passes[i] = grown[i], passes[i] + 1
+            q = process(row_logits[g["level"]], SamplingConfig())  # [len(level), V], the draft's own law
+            top = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]  # ties by token id
+            nxt = []
+            for j, node in enumerate(g["level"]):
+                for tok in top[j].tolist():
+                    g["parents"].append(node)
+                    g["depths"].append(d + 1)
+                    g["tokens"].append(tok)
+                    g["rows"].append(q[j])
+                    nxt.append(len(g["parents"]) - 1)
+            g["level"] = nxt
+    trees = [TokenTree(parents=torch.tensor(g["parents"]), depths=torch.tensor(g["depths"]),
+                       tokens=torch.tensor([-1, *g["tokens"][1:]]), draft_probs=torch.stack(g["rows"]),
+                       proposal="topk") for g in grown]
+    return trees, passes
 
 
 # ---------------------------------------------------------------------------------------------
