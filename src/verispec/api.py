@@ -17,6 +17,8 @@ from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, measure_costs
+from verispec.tree_decode import TreeVerification, tree_verification_rule
+from verispec.trees import DraftShape, parse_shape
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,18 @@ def check_device(device) -> str:
 
 
 def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict, seeds: list, chat,
-                         diagnostics, device, dtype, draft_dtype) -> Rule:
+                         diagnostics, device, dtype, draft_dtype,
+                         shape: DraftShape | None = None) -> Rule | TreeVerification:
     """Every argument of `generate` except the prompt, checked once, before any model loads; `seeds`
-    holds one seed per prompt. Returns the rule, parsed."""
+    holds one seed per prompt. Returns the rule, parsed (with a tree shape: the tree rule, paired)."""
+    if shape is not None:
+        if draft is None or draft == "none":
+            raise ValueError(f"a tree draft ({shape.spec}) needs a draft model; draft=None decodes the "
+                             "target plainly")
+        tree_rule = tree_verification_rule(rule, shape)
+        _check_generate_args(target, draft, "lossless", k, max_new_tokens, sampling, seeds, chat,
+                             diagnostics, device, dtype, draft_dtype)
+        return tree_rule
     if not (isinstance(rule, (str, Rule))):
         raise TypeError(f"rule must be a rule spec str (e.g. 'lossless') or a Rule, "
                         f"got {type(rule).__name__}")
@@ -201,6 +212,26 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
         as_dtype(value)
     check_device(device)
     return parsed
+
+
+def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShape | None:
+    """The draft shape of `generate(tree=..., drafts=...)` (docs/design.md, 'Trees'): tree="4,2,2,1",
+    "widths=4,2,2,1" or "tree:widths=4,2,2,1"; drafts="n=3[,replacement=0][,depth=D]" or "drafts:n=3"."""
+    if tree is not None and drafts is not None:
+        raise ValueError("give a tree (tree=...) or several drafts (drafts=...), not both")
+    for name, value in (("tree", tree), ("drafts", drafts)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str (e.g. tree='widths=4,2,2,1', drafts='n=3'), "
+                            f"got {type(value).__name__}")
+    if tree is not None:
+        text = tree.strip()
+        text = text if text.startswith("tree:") else "tree:" + (text if text.startswith("widths") else
+                                                                  "widths=" + text)
+        return parse_shape(text)
+    if drafts is not None:
+        text = drafts.strip()
+        return parse_shape(text if text.startswith("drafts:") else "drafts:" + text)
+    return None
 
 
 def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> list[int]:
@@ -286,6 +317,8 @@ def generate(
     dtype: str | torch.dtype = "float32",
     draft_dtype: str | torch.dtype = "float32",
     batch_size: int = defaults.BATCH_SIZE,
+    tree: str | None = None,
+    drafts: str | None = None,
 ) -> GenerateResult | list[GenerateResult]:
     """Generate a continuation of `prompt` with speculative decoding (or plain decoding if draft=None).
 
@@ -303,6 +336,10 @@ def generate(
     `stats["verification"]["speculation"]` holds the costs and choices. Measured costs vary from run to
     run, so k="auto" results are not token-reproducible from the seed alone (their law is the rule's).
 
+    tree="4,2,2,1" (or "widths=4,2,2,1") drafts a top-k token tree per block, drafts="n=3" three
+    sampled chains of k tokens (docs/design.md, 'Trees'); `rule` is then a tree rule (lossless, greedy,
+    lenience:l=, ..., or traversal), and lossy ones need a top-k tree.
+
     dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
     target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU.
 
@@ -311,10 +348,14 @@ def generate(
     several = _several_prompts(prompt)
     prompts = [_check_prompt(p) for p in (prompt if several else [prompt])]
     seeds = _check_seeds(seed, len(prompts))
+    shape = draft_shape(tree, drafts)
+    if shape is not None and k == AUTO_K:
+        raise ValueError("k='auto' chooses the length of chain drafts; a tree's shape is fixed by "
+                         "tree= / drafts=")
     rule = _check_generate_args(target, draft, rule, k, max_new_tokens,
                                 {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                                  "eta": eta},
-                                seeds, chat, diagnostics, device, dtype, draft_dtype)
+                                seeds, chat, diagnostics, device, dtype, draft_dtype, shape)
     seeds = [int(s) for s in seeds]
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -330,14 +371,15 @@ def generate(
         costs = measure_costs(target_model, drafter, prompt_ids[0], AUTO_K_MAX, sizes, sampling=sampling)
         policy = AdaptivePolicy(costs, AUTO_K_MAX)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics,
-                          policy=policy)
+                          policy=policy, tree=shape)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     gens = decode_prompts(target_model, prompt_ids, generators, config, drafter,
                           None if drafter is None else rule, batch_size=batch_size)
     results = [
         GenerateResult(text=response_text(target_model, gen), token_ids=list(gen.token_ids),
                        prompt_ids=ids, stats=gen.stats(max_new_tokens=max_new_tokens,
-                                                       k=None if drafter is None else k), generation=gen)
+                                                       k=None if drafter is None or shape else k),
+                       generation=gen)
         for ids, gen in zip(prompt_ids, gens)
     ]
     return results if several else results[0]

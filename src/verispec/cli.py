@@ -10,7 +10,7 @@ import sys
 import threading
 
 from verispec import defaults, threads
-from verispec.api import as_dtype, check_device, generate, resolve_target
+from verispec.api import as_dtype, check_device, draft_shape, generate, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SweepLockedError
@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.prompt if several else args.prompt[0], target=target, draft=args.draft, rule=args.rule, k=args.k,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, eta=args.eta, seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype,
-        draft_dtype=args.draft_dtype, batch_size=args.batch_size,
+        draft_dtype=args.draft_dtype, batch_size=args.batch_size, tree=args.tree, drafts=args.drafts,
     )
     for result in results if several else [results]:  # several prompts: one JSON object per line
         if args.json:
@@ -121,12 +121,20 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def shape_spec(text: str) -> str:
+    """A bench --tree value as a draft shape spec: tree:widths=4,2,2,1 / drafts:n=3 as given, and the
+    run command's short forms widths=4,2,2,1 / n=3 completed."""
+    short = text.strip()
+    shape = draft_shape(drafts=short) if short.startswith(("n=", "drafts:")) else draft_shape(tree=short)
+    return shape.spec
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     spec = SweepSpec(suite=args.suite, target=args.target, draft=args.draft, rules=tuple(args.rules),
                      temperatures=tuple(args.temperatures), ks=tuple(args.k), seeds=tuple(args.seeds),
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
                      dtype=args.dtype, draft_dtype=args.draft_dtype, compare=tuple(args.compare or ()),
-                     sequential=args.sequential)
+                     sequential=args.sequential, trees=tuple(shape_spec(t) for t in args.tree or ()))
     ray_options = None
     ray_flags = {"--ray-address": args.ray_address, "--workers": args.workers, "--ray-cpus": args.ray_cpus,
                  "--max-restarts": args.max_restarts}
@@ -262,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--k", type=k_arg, default=defaults.K,
                      help="draft tokens per block, or auto: chosen per block from measured costs "
                           "(verispec.speculation)")
+    shapes = run.add_mutually_exclusive_group()
+    shapes.add_argument("--tree", default=None, metavar="WIDTHS",
+                        help="draft a top-k token tree per block, e.g. --tree widths=4,2,2,1 (--rule is then "
+                             "a tree rule: lossless, greedy, lenience:l=, ..., traversal)")
+    shapes.add_argument("--drafts", default=None, metavar="SPEC",
+                        help="draft n sampled chains of k tokens per block, e.g. "
+                             "--drafts n=3[,replacement=0]")
     add_sampling_args(run)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -279,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rule specs; plain, lossless and honest truncation baselines are always added")
     bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
     bench.add_argument("--k", nargs="+", type=int, default=[4])
+    bench.add_argument("--tree", nargs="+", default=None, metavar="SHAPE",
+                       help="tree / multi-draft shapes as an axis, e.g. tree:widths=4,2,2,1 drafts:n=3: each "
+                            "runs lossless and the --rules that are tree rules (traversal too)")
     bench.add_argument("--seeds", nargs="+", type=int, default=[0])
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of the suite")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default: the suite's own")

@@ -34,6 +34,9 @@ from verispec.rules import Rule, parse
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 from verispec.speculation import AdaptivePolicy, RowAcceptance
+from verispec.tree_decode import (TRAVERSAL, TreeScorer, TreeVerification, draft_trees, shape_depth,
+                                  tree_verification, verify_block)
+from verispec.trees import DraftShape, TreeRule, check_depth, parse_shape
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,16 @@ class DecodeConfig:
     # choose k per block and row from measured costs and the row's acceptance so far, and turn
     # speculation off when it cannot pay (`verispec.speculation`); None: k drafts every block
     policy: AdaptivePolicy | None = None
+    # tree or multi-draft blocks (`verispec.tree_decode`): a draft shape, `tree:widths=4,2,2,1` or
+    # `drafts:n=3[,replacement=0][,depth=D]` (a spec string is parsed); None: chain drafts of k tokens
+    tree: DraftShape | str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.tree, str):
+            object.__setattr__(self, "tree", parse_shape(self.tree))
+        if self.tree is not None and self.policy is not None:
+            raise ValueError("adaptive speculation (policy) chooses a chain's k; it does not apply to tree "
+                             f"drafts ({self.tree.spec}): give one or the other")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {self.k!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -65,6 +76,7 @@ class Block:
     proposed: int  # draft tokens proposed
     accepted: int  # of which the rule accepted (all of them, also those after a stop token)
     emitted: int  # tokens kept from this block (accepted + recovered/bonus, cut at EOS / max tokens)
+    depth: int | None = None  # a tree block: the drafted tree's depth (proposed counts its nodes)
 
 
 @dataclass(frozen=True)
@@ -170,8 +182,11 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
       averaged over the response's tokens; max_overshoot: max law/p over them (docs/design.md,
       'Diagnostics'); log_ratio: the exact path-level log-likelihood ratio of the response against
       the target (docs/design.md, 'Rule anatomy'), and log_ratio_per_token. None without diagnostics;
+    - tree: the draft shape of a tree-mode run (`tree:widths=...`, `drafts:n=...`), else None; then
+      drafted_tokens counts tree nodes and acceptance_per_position is per depth;
     - acceptance_per_position: for draft positions j = 1..k: `drafts`, the blocks that proposed at
-      least one token; `reached`, the blocks that proposed a token at position j (proposed >= j);
+      least one token; `reached`, the blocks that proposed a token at position j (proposed >= j; a
+      tree's depth >= j);
       `accepted`, the blocks that accepted it (accepted >= j); `rate` = accepted / drafts, vLLM's
       per-position acceptance rate (it falls with j); `rate_given_reached` = accepted / reached, the
       acceptance at j among blocks that drafted that far (None if none did);
@@ -185,11 +200,12 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
     rule = gen.rule
     proposed = sum(b.proposed for b in gen.blocks)
     accepted = sum(b.accepted for b in gen.blocks)
-    width = k if k is not None else max((b.proposed for b in gen.blocks), default=0)
+    reach = [b.proposed if b.depth is None else b.depth for b in gen.blocks]  # a tree reaches its depth
+    width = k if k is not None else max(reach, default=0)
     drafts = sum(1 for b in gen.blocks if b.proposed > 0)
     positions = []
     for j in range(1, width + 1):
-        reached = sum(1 for b in gen.blocks if b.proposed >= j)
+        reached = sum(1 for d in reach if d >= j)
         hits = sum(1 for b in gen.blocks if b.accepted >= j)
         positions.append({"position": j, "drafts": drafts, "reached": reached, "accepted": hits,
                           "rate": hits / drafts if drafts else None,
@@ -211,6 +227,7 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
     n_steps = len(steps["tv"]) if steps else 0
     return {
         "rule": gen.rule_spec,
+        "tree": rule.shape.spec if isinstance(rule, TreeVerification) else None,
         "lossless": True if rule is None else bool(rule.lossless),
         "tokens": gen.num_tokens,
         "finish": gen.finish,
@@ -276,6 +293,13 @@ def check_context(model, prompt_len: int, max_new_tokens: int, drafter=None) -> 
             )
 
 
+def check_tree_room(model, prompt_len: int, config: DecodeConfig) -> None:
+    """Refuse (ValueError) a tree deeper than the positions the model's context leaves after the prompt."""
+    limit = max_context(model)
+    if config.tree is not None and limit is not None:
+        check_depth(shape_depth(config.tree, config.k), limit - prompt_len)
+
+
 def stop_ids(model) -> frozenset[int]:
     """The token ids that end a generation: the model's `stop_token_ids` (all its end-of-sequence
     tokens, e.g. Qwen's <|im_end|> and <|endoftext|>), else its single `eos_token_id`."""
@@ -311,18 +335,20 @@ class _Recorder:
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = (
             {"target": [], "draft": []} if config.keep_probs else None)
-        self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor]] = []
+        self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor, Tensor | None]] = []
         self._pending = 0
         self.seconds = 0.0  # time spent on diagnostics
 
-    def add(self, logits: Tensor, p: Tensor, q: Tensor, tokens: Tensor, roles: list[str]) -> None:
-        """logits, p [n, V] at the kept positions; q [m, V] for the first m (drafted) positions."""
+    def add(self, logits: Tensor, p: Tensor, q: Tensor, tokens: Tensor, roles: list[str],
+            laws: Tensor | None = None) -> None:
+        """logits, p [n, V] at the kept positions; q [m, V] for the first m (drafted) positions;
+        laws [n, V]: the positions' exact laws when the caller has them (tree blocks)."""
         if self.steps is not None:
             start = time.perf_counter()
             raw = logits.gather(-1, tokens[:, None]).squeeze(-1) - logits.logsumexp(-1)  # raw target log-prob
             # [n, V]
             q_rows = q if q.shape[0] == p.shape[0] else torch.cat([q, torch.zeros_like(p[q.shape[0]:])])
-            self._rows.append((p, q_rows, tokens, roles, raw))
+            self._rows.append((p, q_rows, tokens, roles, raw, laws))
             self._pending += len(roles)
             self.seconds += time.perf_counter() - start
             if self._pending >= self.FLUSH:
@@ -335,9 +361,10 @@ class _Recorder:
         if self.steps is None or not self._rows:
             return
         start = time.perf_counter()
-        p, q, tokens, roles, raw = zip(*self._rows)
+        p, q, tokens, roles, raw, laws = zip(*self._rows)
         stats = position_stats(self.rule, torch.cat(p), torch.cat(q), torch.cat(tokens),
-                               [r for rs in roles for r in rs])
+                               [r for rs in roles for r in rs],
+                               None if laws[0] is None else torch.cat(laws))  # one kind per decoder
         stats["log_target_raw"] = torch.cat(raw).double().tolist()
         for key, values in stats.items():
             self.steps.setdefault(key, []).extend(values)
@@ -415,6 +442,10 @@ class BatchDecoder:
     verification draws; plain: one draw per token), so a row's output does not depend on the other
     rows (give every row its own generator: rows sharing one interleave their draws).
 
+    Tree mode (`DecodeConfig.tree`, a tree rule): each block drafts a token tree or several chains per
+    row and verifies it with a tree rule or Traversal Verification (`verispec.tree_decode`, docs/design.md
+    'Tree decoding'); one target pass scores every row's tree on the lean backend.
+
     One rule and one sampling setting per decoder (they are applied to all rows in batched ops);
     per row: k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
     (`add(config=...)`).
@@ -428,6 +459,14 @@ class BatchDecoder:
     def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str | None = None,
                  config: DecodeConfig | None = None):
         self.config = config or DecodeConfig()
+        shape = self.config.tree
+        if shape is not None:  # tree mode: every check before any forward pass
+            rule = tree_verification(rule, shape, drafter, target.vocab_size)
+        elif isinstance(rule, (TreeRule, TreeVerification)) or (isinstance(rule, str)
+                                                                and rule.strip() == TRAVERSAL):
+            spec = rule if isinstance(rule, str) else rule.spec
+            raise ValueError(f"'{spec}' is a tree rule: give a tree draft (DecodeConfig.tree, e.g. "
+                             "tree:widths=4,2,2,1 or drafts:n=3), or a chain rule")
         self.plain = drafter is None
         rule = parse(rule) if isinstance(rule, str) else rule
         if self.plain and rule is not None and not rule.lossless:
@@ -440,7 +479,9 @@ class BatchDecoder:
             raise ValueError(f"draft vocabulary ({drafter.vocab_size}) differs from the target's "
                              f"({target.vocab_size})")
         self.target, self.drafter = target, drafter
-        self._session = batch_session(target)
+        # tree mode: (target scorer, draft scorer)
+        self._trees = None if shape is None else (TreeScorer(target), TreeScorer(drafter.model))
+        self._session = batch_session(target) if shape is None else self._trees[0].session
         if drafter is not None:
             drafter.start_batch()
         self._rows: dict[int, _Row] = {}
@@ -461,9 +502,13 @@ class BatchDecoder:
                              f"({self.config.sampling}), got {config.sampling}")
         if config.policy != self.config.policy:
             raise ValueError("every row of a BatchDecoder uses the decoder's speculation policy")
+        if config.tree != self.config.tree:
+            raise ValueError(f"every row of a BatchDecoder uses the decoder's draft shape "
+                             f"({self.config.tree})")
         prompt = _as_prompt(prompt_ids)[0]  # [L0]
         _check_tokens(prompt, self.target.vocab_size)
         check_context(self.target, prompt.shape[0], config.max_new_tokens, self.drafter)
+        check_tree_room(self.target, prompt.shape[0], config)
         row = self._next_id
         self._next_id += 1
         stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
@@ -491,7 +536,10 @@ class BatchDecoder:
             return []
         ids = list(self._rows)
         rows = [self._rows[i] for i in ids]
-        ends = self._plain_step(ids, rows) if self.plain else self._speculative_step(ids, rows)
+        if self._trees is not None:
+            ends = self._tree_step(ids, rows)
+        else:
+            ends = self._plain_step(ids, rows) if self.plain else self._speculative_step(ids, rows)
         return [(row, self._finish(row, how)) for row, how in ends]
 
     # -- one block -------------------------------------------------------------------------------
@@ -554,6 +602,49 @@ class BatchDecoder:
                 ends.append((row_id, finish))
         return ends
 
+    def _tree_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
+        """One tree block per row (`verispec.tree_decode`): draft each row's tree, score every row's
+        nodes in one target pass, verify per row, keep each row's accepted path in the target cache."""
+        sampling, verification = self.config.sampling, self.rule
+        target, draft = self._trees
+        vocab = self.target.vocab_size
+        shape = self.config.tree
+        t0 = time.perf_counter()
+        # a block emits up to depth + 1 tokens
+        depths = [min(shape_depth(shape, r.config.k), r.config.max_new_tokens - r.new - 1) for r in rows]
+        trees, draft_passes = draft_trees(draft, ids, [r.seq for r in rows], shape, depths, sampling,
+                                          [r.generator for r in rows], vocab)
+        t1 = time.perf_counter()
+        roots = [torch.cat([r.seq[-1:], tree.tokens[1:]]) for r, tree in zip(rows, trees)]  # root first
+        # per row [N+1, V]: one tree pass for all rows
+        logits = target.score(ids, [r.seq for r in rows], roots, [tree.parents for tree in trees])
+        t2 = time.perf_counter()
+        blocks, ends = [], []
+        for r, tree, row_logits in zip(rows, trees, logits):
+            target_probs = process(row_logits, sampling)  # [N+1, V]
+            uniforms = torch.rand(tree.size + 1, generator=r.generator, dtype=torch.float64)  # [N+1]
+            blocks.append((verify_block(verification, tree, target_probs, uniforms), target_probs))
+        target.commit([list(block.result.nodes) for block, _ in blocks])
+        for row_id, r, tree, row_logits, (block, target_probs), passes in zip(
+                ids, rows, trees, logits, blocks, draft_passes):
+            out = list(block.result.tokens)
+            keep, finish = r.cut(out)
+            kept = torch.tensor(out[:keep])
+            at = block.frontiers[:keep]
+            r.record.add(row_logits[at], target_probs[at], block.draft_probs[:keep], kept, block.roles[:keep],
+                         block.laws[:keep])
+            r.blocks.append(Block(proposed=tree.size, accepted=len(block.result.nodes), emitted=keep,
+                                  depth=tree.depth))
+            r.seq = torch.cat([r.seq, kept])
+            r.new += keep
+            r.target_calls += 1
+            r.draft_calls += passes
+            r.target_seconds += t2 - t1
+            r.draft_seconds += t1 - t0
+            if finish is not None:
+                ends.append((row_id, finish))
+        return ends
+
     def _plain_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
         t0 = time.perf_counter()
         logits = torch.cat(self._session.logits_for(ids, [r.seq for r in rows], [1] * len(rows)))  # [B, V]
@@ -578,6 +669,8 @@ class BatchDecoder:
     def _finish(self, row: int, finish: str) -> Generation:
         r = self._rows.pop(row)
         self._session.release(row)
+        if self._trees is not None:
+            self._trees[1].release(row)
         if self.drafter is not None:
             self.drafter.release(row)
         r.record.flush()
@@ -622,6 +715,7 @@ def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequenc
             ids = _as_prompt(prompt)
             _check_tokens(ids, target.vocab_size)
             check_context(target, ids.shape[1], config.max_new_tokens, drafter)
+            check_tree_room(target, ids.shape[1], config)
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}" if len(prompts) > 1 else str(err)) from None
     waiting = list(zip(prompts, generators))

@@ -60,15 +60,18 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
 
 
 def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor,
-                   roles: list[str]) -> dict:
+                   roles: list[str], laws: Tensor | None = None) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
 
     target_probs [n, V]: the processed target at each emitted position; draft_probs [n, V]: the draft
     distribution at positions whose role is "accepted" or "recovered" (rows of other roles are
     ignored); tokens [n]; roles: one of ROLES per position; rule None for plain decoding (law p).
+    laws [n, V]: the positions' exact laws given by the caller (tree verification, docs/design.md
+    'Trees'); the rule is then not consulted, and a tree has no honest baseline and no per-position
+    acceptance of a single draft (tv_baseline, expected_accept NaN).
     Returns {field: list}, one entry per position.
     """
-    if rule is None or rule.lossless:
+    if laws is None and (rule is None or rule.lossless):
         block_level = rule is not None and rule.block_level
         stats = _lossless_stats(target_probs, draft_probs, tokens, roles, block_level)
     else:
@@ -78,18 +81,19 @@ def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor,
         idx = tokens.long()[:, None]
         nan = torch.full((n,), torch.nan, dtype=torch.float64)
         expected, confidence, over = nan.clone(), nan.clone(), nan.clone()
-        law = torch.empty_like(p)  # [n, V]
+        law = torch.empty_like(p) if laws is None else renormalised_f64(laws)  # [n, V]
         if drafted.any():
             q = renormalised_f64(draft_probs[drafted])
             pd = p[drafted]
-            law[drafted] = rule.emitted_law(pd, q)
-            if not rule.block_level:  # a block rule has no per-position acceptance probability
-                expected[drafted] = (q * rule.acceptance(pd, q)).sum(-1)
+            if laws is None:
+                law[drafted] = rule.emitted_law(pd, q)
+                if not rule.block_level:  # a block rule has no per-position acceptance probability
+                    expected[drafted] = (q * rule.acceptance(pd, q)).sum(-1)
             confidence[drafted] = q.amax(-1)
             over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
-        if not drafted.all():
+        if laws is None and not drafted.all():
             law[~drafted] = rule.bonus_law(p[~drafted])
-        base = rule.baseline_law(p)
+        base = rule.baseline_law(p) if laws is None else None
         stats = {
             "token": tokens.long(),
             "log_target": p.gather(-1, idx).squeeze(-1).log(),

@@ -195,10 +195,10 @@ def summarize(rows: list[dict]) -> list[dict]:
     for row in sorted(rows, key=lambda r: r["rule"] != "plain"):  # stable: first-seen order otherwise
         by_config[row["config"]].append(row)
     index = {(r["config"], r["prompt_id"], r["seed"]): r for r in rows}
-    config_of = {}  # (rule, k, T) -> config id
+    config_of = {}  # (rule, k, T, tree shape) -> config id
     for cid, group in by_config.items():
         r = group[0]
-        config_of[(r["rule"], r["k"], r["temperature"])] = cid
+        config_of[(r["rule"], r["k"], r["temperature"], r.get("tree"))] = cid
     out = []
     for cid, group in by_config.items():
         r0 = group[0]
@@ -208,7 +208,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["acceptance_rate"] = sum(r["accepted"] for r in group) / proposed if proposed else math.nan
         s["block_efficiency"] = (sum(r["tokens"] for r in group)
                                  / max(1, sum(r["target_calls"] for r in group)))
-        plain_id = config_of.get(("plain", 0, r0["temperature"]))
+        # drafted tokens (tree nodes) per target call: a chain of k = 6 beside a 6-node tree
+        s["drafted_per_call"] = proposed / max(1, sum(r["target_calls"] for r in group))
+        plain_id = config_of.get(("plain", 0, r0["temperature"], None))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
         # only pairs decoded at the same batch size: a sweep resumed with another --batch-size may hold
         # a row at one size and its plain row at another, and throughput grows with the batch; and only
@@ -259,8 +261,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["binary_score"] = _binary(scores)
         s["score_interval"] = (wilson_interval(int(sum(scores)), len(scores)) if s["binary_score"] else
                                (s["score"] - s["score_ci"], s["score"] + s["score_ci"]))
-        base_rule = baseline_of(r0["rule"])
-        base_id = config_of.get((base_rule, 0 if base_rule == "plain" else r0["k"], r0["temperature"]))
+        base_rule = baseline_of(r0["rule"]) if not r0.get("tree") else "plain"  # tree rows: the target's own
+        base_id = config_of.get((base_rule, 0 if base_rule == "plain" else r0["k"], r0["temperature"], None))
         s["baseline"] = base_id
         paired = []  # (row's score, baseline's score) on the same (prompt, seed)
         if base_id:
@@ -363,6 +365,7 @@ def _pm(value, half) -> str:
 
 COLUMNS = [
     ("config", "config"), ("n", "units"), ("accept", "acceptance_rate"), ("tok/call", "block_efficiency"),
+    ("drafted/call", "drafted_per_call"),
     ("speedup", "speedup"), ("TV", "tv"), ("KL", "kl"), ("TV-base", "tv_baseline"),
     ("overshoot p95", "overshoot_p95"), ("tail mass", "tail_mass"), ("target NLL", "target_nll"),
 ]
@@ -514,7 +517,8 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
     parts.append("<h2>Speed, shift and quality per rule</h2>")
     parts.append(_html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
     parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target "
-                 "forward pass; speedup: throughput (tokens/s) vs plain decoding on the same units, "
+                 "forward pass; drafted/call: draft tokens (tree nodes) per target pass; speedup: "
+                 "throughput (tokens/s) vs plain decoding on the same units, "
                  f"interleaved, at the same batch size (batch sizes: {_batch_sizes(summary)}); TV, KL: "
                  "mean per-token distance of the rule's exact output law from the target's; TV-base: "
                  "from the honest truncation baseline; overshoot p95: 95th percentile of max law/p; "

@@ -64,9 +64,10 @@ def new_run_id() -> str:
 
 def _settings_json(spec: SweepSpec, suite_file: dict | None = None) -> str:
     """sweep.json: the settings, and for a file-backed suite its fingerprint (`suites.file_fingerprint`).
-    `compare` and `sequential` are left out when unset, so sweeps written before they existed resume."""
+    `compare`, `sequential` and `trees` are left out when unset, so sweeps written before they
+    existed resume."""
     settings = asdict(spec)
-    for key, unset in (("compare", ()), ("sequential", None)):
+    for key, unset in (("compare", ()), ("sequential", None), ("trees", ())):
         if settings[key] in (unset, list(unset or [])):
             del settings[key]
     extra = {} if suite_file is None else {"suite_file": suite_file}

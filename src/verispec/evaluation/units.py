@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from typing import Sequence
+
 import torch
 
 from verispec import defaults
@@ -29,6 +31,8 @@ from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
 from verispec.models import default_draft
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
+from verispec.tree_decode import TRAVERSAL, tree_verification_rule
+from verispec.trees import TreeWidths, parse_shape
 
 PLAIN = "plain"
 
@@ -42,18 +46,21 @@ class RunConfig:
     rule: str  # canonical rule spec, or "plain"
     k: int
     temperature: float
+    tree: str | None = None  # a tree or multi-draft shape (`tree:widths=...`, `drafts:n=...`); None: chains
 
     @property
     def id(self) -> str:
         """`RULE k=K T=TEMP` (`plain T=TEMP`); part of the unit key, so TEMP round-trips exactly."""
         t = exact_number(self.temperature)
-        return f"{self.rule} k={self.k} T={t}" if self.rule != PLAIN else f"plain T={t}"
+        shape = f" {self.tree}" if self.tree else ""
+        return f"{self.rule}{shape} k={self.k} T={t}" if self.rule != PLAIN else f"plain T={t}"
 
     @property
     def legacy_id(self) -> str:
         """The id verispec wrote before exact temperatures (`:g`, 6 significant digits): the same as `id`
         whenever the temperature is exact in 6 digits (every committed sweep), else a rounded one."""
-        return (f"{self.rule} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
+        shape = f" {self.tree}" if self.tree else ""
+        return (f"{self.rule}{shape} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
                 else f"plain T={self.temperature:g}")
 
 
@@ -85,6 +92,9 @@ class SweepSpec:
     # (`comparisons`); they change no result, so they are not part of a unit's key
     compare: tuple[str, ...] = ()
     sequential: str | None = None
+    # tree / multi-draft shapes as an axis (`tree:widths=4,2,2,1`, `drafts:n=3`): each with lossless, and
+    # with every rule that is a tree rule (lossy ones on top-k trees only); `traversal` is tree-only
+    trees: tuple[str, ...] = ()
 
     def resolved(self) -> SweepSpec:
         """The spec with the draft named: "auto" becomes the target's default drafter (a sweep's rows and
@@ -136,8 +146,12 @@ class SweepSpec:
             parse_sequential(self.sequential)
 
     def configs(self) -> list[RunConfig]:
-        """The grid, baselines included: plain, lossless and honest truncation samplers."""
-        rules = [parse(r) for r in self.rules]  # validates every spec up front
+        """The grid, baselines included: plain, lossless and honest truncation samplers; then the tree
+        configurations (`tree_configs`)."""
+        tree_only = [r for r in self.rules if r.strip() == TRAVERSAL]
+        rules = [parse(r) for r in self.rules if r not in tree_only]  # validates every spec up front
+        if tree_only and not self.trees:
+            raise ValueError("rule 'traversal' verifies trees: give --tree (e.g. tree:widths=4,2,2,1)")
         specs: list[str] = ["lossless"]
         for rule in rules:
             specs.append(rule.spec)
@@ -147,7 +161,30 @@ class SweepSpec:
         specs = list(dict.fromkeys(specs))  # de-duplicate, keep order
         out = [RunConfig(PLAIN, 0, t) for t in self.temperatures]
         out += [RunConfig(s, k, t) for t in self.temperatures for k in self.ks for s in specs]
-        return out
+        return out + tree_configs(self.trees, self.rules, self.ks, self.temperatures)
+
+
+def tree_configs(trees: Sequence[str], rules: Sequence[str], ks: Sequence[int],
+                 temperatures: Sequence[float]) -> list[RunConfig]:
+    """Per tree shape: lossless and every rule of `rules` that is a tree rule (`traversal` included;
+    chain-only rules are left out); lossy rules only on top-k trees (their exact laws need a tree that
+    is a function of the prefix). A `tree:widths` shape fixes its depth (k = its number of widths);
+    `drafts:n` without a depth takes each k of the grid."""
+    out = []
+    for text in trees:
+        shape = parse_shape(text)  # ValueError on a bad shape
+        specs = []
+        for spec in ["lossless", *rules]:
+            try:
+                verification = tree_verification_rule(spec, shape)
+            except ValueError:
+                continue  # a chain-only rule, or a lossy rule on sampled drafts
+            specs.append(verification.spec)
+        depths = [shape.depth] if isinstance(shape, TreeWidths) else (
+            [shape.depth] if shape.depth is not None else list(ks))
+        out += [RunConfig(s, k, t, shape.spec) for t in temperatures for k in depths
+                for s in dict.fromkeys(specs)]
+    return out
 
 
 MAX_SWEEP_SEED = 2**40  # a unit's generator is seeded with seed * 1_000_003 + prompt index (< 2**64)
@@ -156,7 +193,8 @@ MAX_SWEEP_SEED = 2**40  # a unit's generator is seeded with seed * 1_000_003 + p
 def unit_key(spec: SweepSpec, item: Item, seed: int, config: RunConfig) -> str:
     """The identity of a unit: every setting that changes its result (models, dtypes, device, backend)."""
     raw = json.dumps([SCHEMA_VERSION, spec.suite, spec.target, spec.draft, item.id, seed, config.id,
-                      spec.max_new_tokens, spec.dtype, spec.draft_dtype, spec.device, spec.backend])
+                      spec.max_new_tokens, spec.dtype, spec.draft_dtype, spec.device, spec.backend]
+                     + ([config.tree] if config.tree else []))  # chain units keep their keys
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -181,7 +219,9 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "device": spec.device, "backend": spec.backend, "config": config.id, "rule": config.rule,
         "k": config.k,
         "temperature": config.temperature,
-        "family": parse(config.rule).family if config.rule != PLAIN else PLAIN,
+        "family": (PLAIN if config.rule == PLAIN else parse(config.rule).family if not config.tree
+                   else tree_verification_rule(config.rule, parse_shape(config.tree)).family),
+        "tree": config.tree,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
         "protocol": suite.protocol,
@@ -263,7 +303,8 @@ def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
     if config.rule == PLAIN:
         plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
         return decode_prompts(target, ids, generators, plain)
-    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
+    decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check,
+                          tree=config.tree)
     return decode_prompts(target, ids, generators, decode, drafter, config.rule)
 
 

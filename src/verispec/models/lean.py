@@ -438,6 +438,22 @@ class LeanBatchSession:
         if slot is not None:
             self.cache.release(slot)
 
+    def slot(self, row: int) -> int:
+        """Row `row`'s cache slot (a fresh one, length 0, for a row seen for the first time)."""
+        if row not in self._slot:
+            self._slot[row] = self.cache.acquire()
+            self._cached[row] = torch.zeros(0, dtype=torch.long)
+        return self._slot[row]
+
+    def set_cached(self, row: int, tokens: Tensor) -> None:
+        """Record that row `row`'s cache now holds `tokens` [length] (its slot's length must match):
+        for passes that write the cache themselves (`verispec.models.lean_tree.score_tree`)."""
+        slot = self.slot(row)
+        if int(self.cache.lengths[slot]) != tokens.shape[0]:
+            raise ValueError(f"row {row}: the cache holds {int(self.cache.lengths[slot])} positions, "
+                             f"not the {tokens.shape[0]} tokens given")
+        self._cached[row] = tokens.to(torch.long).cpu().clone()
+
     @torch.no_grad()  # not inference_mode: the cache's tensors stay ordinary (release works outside it)
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)

@@ -23,15 +23,16 @@ positions and where keys are written differ.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verispec.models.lean import LeanBatchCache, LeanCache, LeanLlama
+from verispec.models.lean import LeanBatchCache, LeanBatchSession, LeanCache, LeanLlama
 
-__all__ = ["compact_tree", "forward_tree", "tree_ancestors"]
+__all__ = ["TreePass", "commit_paths", "compact_tree", "forward_tree", "score_tree", "tree_ancestors"]
 
 
 def tree_ancestors(parents: Tensor) -> tuple[Tensor, Tensor]:
@@ -176,3 +177,84 @@ def compact_tree(cache: LeanBatchCache | LeanCache, slots: Tensor, starts: Tenso
                 for layer in store:
                     layer[slot, :, start : start + n] = layer[slot, :, src.to(layer.device)]  # [Hkv, n, hd]
     _set_lengths(cache, slots, lengths)
+
+
+# -- a session's tree pass: the decode engine's entry point ----------------------------------------
+
+
+@dataclass(frozen=True)
+class TreePass:
+    """What `score_tree` fed, for `commit_paths`: per row its committed context [L_b], the number of
+    uncached context tokens fed before the root (`lead`), and the padded pass's slots, starts, tokens and
+    parents [B, M]."""
+
+    rows: tuple[int, ...]
+    contexts: tuple[Tensor, ...]
+    lead: tuple[int, ...]
+    slots: Tensor
+    starts: Tensor
+    tokens: Tensor
+    parents: Tensor
+
+
+@torch.no_grad()
+def score_tree(session: LeanBatchSession, rows: Sequence[int], contexts: Sequence[Tensor],
+               tokens: Sequence[Tensor], parents: Sequence[Tensor]) -> tuple[list[Tensor], TreePass]:
+    """Score one token tree per row in ONE `forward_tree` pass of a `LeanBatchSession`.
+
+    Row b: contexts[b] [L_b], the committed tokens; tokens[b], parents[b] [M_b], its tree with node 0
+    the root (tokens[b][0] = contexts[b][-1], parent -1) and parents[b][i] < i. The row's cache keeps
+    its longest cached prefix agreeing with contexts[b][:-1]; the rest of the context is fed as a chain
+    leading to the root, in the same pass. Returns per row logits [M_b, V] (node i: the target after
+    the context plus node i's path) and the `TreePass` for `commit_paths`, which must follow."""
+    feeds, parent_rows, lead, slots, starts = [], [], [], [], []
+    for row, ctx, tok, par in zip(rows, contexts, tokens, parents):
+        ctx = ctx.to(torch.long).cpu()
+        if tok.shape != par.shape or tok.ndim != 1 or int(par[0]) != -1 or int(tok[0]) != int(ctx[-1]):
+            raise ValueError(f"row {row}: a tree needs tokens, parents [M] with node 0 the root (the last "
+                             "context token, parent -1)")
+        slot = session.slot(row)
+        held, want = session.cached(row), ctx[:-1]
+        common = min(held.shape[0], want.shape[0])
+        if common > 0:  # length of the agreeing prefix
+            common = int((held[:common] == want[:common]).to(torch.int64).cumprod(0).sum())
+        session.cache.lengths[slot] = common
+        chain = want[common:]  # [c]: uncached context, fed as a chain ending at the root
+        c = chain.shape[0]
+        chain_parents = torch.arange(-1, c - 1)  # [c]
+        root_parent = torch.tensor([c - 1])  # [1]: the root hangs below the chain (-1 without one)
+        feeds.append(torch.cat([chain, tok.to(torch.long).cpu()]))  # [c + M_b]
+        parent_rows.append(torch.cat([chain_parents, root_parent, par[1:].cpu() + c]))  # [c + M_b]
+        lead.append(c)
+        slots.append(slot)
+        starts.append(common)
+    width = max(f.shape[0] for f in feeds)
+    padded = torch.zeros(len(feeds), width, dtype=torch.long)  # [B, M]: pads are token 0, parent -1
+    padded_parents = torch.full((len(feeds), width), -1, dtype=torch.long)  # [B, M]
+    for b, (f, par) in enumerate(zip(feeds, parent_rows)):
+        padded[b, : f.shape[0]], padded_parents[b, : f.shape[0]] = f, par
+    slot_ids = torch.tensor(slots)
+    session.owner.calls += 1
+    logits = forward_tree(session.lean, padded, padded_parents, session.cache, slot_ids)  # [B, M, V]
+    out = [logits[b, c : c + tok.shape[0]] for b, (c, tok) in enumerate(zip(lead, tokens))]  # [M_b, V]
+    return out, TreePass(tuple(rows), tuple(ctx.to(torch.long).cpu() for ctx in contexts), tuple(lead),
+                         slot_ids, torch.tensor(starts), padded, padded_parents)
+
+
+def commit_paths(session: LeanBatchSession, scored: TreePass, kept: Sequence[Sequence[int]] | None = None
+                 ) -> None:
+    """After `score_tree`: row b keeps its context and the tree nodes kept[b] (a root-to-node path
+    below the root, node indices of its tree), so its cache holds the context plus their tokens; every
+    other node is rolled back (`compact_tree`). kept None: keep the context minus its last token (the
+    root), the state before the pass (a draft that only scored its tree)."""
+    keep = []
+    for b, c in enumerate(scored.lead):
+        if kept is None:
+            keep.append(torch.arange(c))  # [c]: the chain only
+        else:
+            path = torch.as_tensor(list(kept[b]), dtype=torch.long) + c  # tree node i sits at c + i
+            keep.append(torch.cat([torch.arange(c + 1), path]))  # [c + 1 + n]
+    compact_tree(session.cache, scored.slots, scored.starts, scored.parents, keep)
+    for b, (row, ctx) in enumerate(zip(scored.rows, scored.contexts)):
+        held = ctx[:-1] if kept is None else torch.cat([ctx, scored.tokens[b, keep[b][scored.lead[b] + 1:]]])
+        session.set_cached(row, held)

@@ -1,0 +1,117 @@
+"""Chains vs trees at an equal number of drafted tokens, measured side by side in one run.
+
+    python benchmarks/trees.py [--nodes 6] [--reps 3] [--prompts 4] [--max-new-tokens 48]
+                               [--temperature 1] [--json PATH]
+
+On the default pair (batch 1, one torch thread; at --temperature 0 the lossless configurations only),
+every configuration drafts `--nodes` tokens per block (a chain of k = nodes, top-k trees and multi-drafts
+of that many nodes) and decodes the same prompts with the same seeds; the configurations are interleaved
+per prompt (rotated order each repetition), so machine load hits them alike. Per configuration and
+repetition: tokens per target call, drafted tokens per call, tokens/s (wall clock of the whole decode,
+drafting and verification included) and, for the lossy rules (two rules on a top-k tree beside their
+chain versions), the exact per-token TV and overshoot (max law/p) and the sequence log-ratio (mean over
+rows of the sum of log law - log p, the path-level KL estimate; docs/design.md, 'Diagnostics').
+Printed: medians over repetitions with [min, max].
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import PROMPTS, environment, fmt_spread, print_table, spread, write_json
+from verispec.decode import DecodeConfig, decode_prompts
+from verispec.models import load_drafter, load_model
+from verispec.sampling import SamplingConfig
+from verispec.trees import TreeWidths
+
+
+def configs(nodes: int, temperature: float) -> list[tuple[str, str, str | None, int]]:
+    """(label, rule, shape, k): plain, then lossless chain / trees / multi-drafts / Traversal of `nodes`
+    drafted tokens, then two lossy rules on a chain and on a top-k tree."""
+    trees = {6: ["tree:widths=3,1", "tree:widths=2,2", "tree:widths=2,1,1"],
+             4: ["tree:widths=2,1", "tree:widths=1,1,1,1"]}.get(nodes, [])
+    if not trees:
+        raise SystemExit("--nodes must be 4 or 6")
+    drafts = {6: ["drafts:n=2,depth=3", "drafts:n=3,depth=2"], 4: ["drafts:n=2,depth=2"]}[nodes]
+    for shape in trees:
+        assert TreeWidths(tuple(int(w) for w in shape.split("=")[1].split(","))).nodes == nodes
+    out = [("plain", "plain", None, 1), (f"lossless chain k={nodes}", "lossless", None, nodes)]
+    out += [(f"lossless {s}", "lossless", s, nodes) for s in trees]
+    out += [(f"traversal {trees[0]}", "traversal", trees[0], nodes)]
+    out += [(f"lossless {s}", "lossless", s, nodes) for s in drafts]
+    for rule in ("lenience:l=0.5", "speccascade:min_p=0.3") if temperature > 0 else ():  # T=0: all lossless
+        out += [(f"{rule} chain k={nodes}", rule, None, nodes), (f"{rule} {trees[0]}", rule, trees[0], nodes)]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = load_model("default")
+    drafter = load_drafter("default-draft", target)
+    prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
+    grid = configs(args.nodes, args.temperature)
+    sampling = SamplingConfig(temperature=args.temperature)
+    per = {label: [] for label, *_ in grid}  # label -> per repetition: aggregate dict
+    warm = DecodeConfig(max_new_tokens=4, tree="tree:widths=2,1")
+    decode_prompts(target, prompts[:1], [torch.Generator()], warm, drafter, "lossless")  # warm-up
+    for rep in range(args.reps):
+        acc = {label: {"tokens": 0, "calls": 0, "drafted": 0, "seconds": 0.0, "tv": [], "over": [], "lr": []}
+               for label, *_ in grid}
+        for i, prompt in enumerate(prompts):
+            order = grid[(rep + i) % len(grid):] + grid[: (rep + i) % len(grid)]  # rotate: interleaved
+            for label, rule, shape, k in order:
+                config = DecodeConfig(k=k, max_new_tokens=args.max_new_tokens, stop_at_eos=False, tree=shape,
+                                      sampling=sampling)
+                gen = torch.Generator().manual_seed(1000 * rep + i)
+                start = time.perf_counter()
+                if rule == "plain":
+                    [out] = decode_prompts(target, [prompt], [gen], config)
+                else:
+                    [out] = decode_prompts(target, [prompt], [gen], config, drafter, rule)
+                a = acc[label]
+                a["seconds"] += time.perf_counter() - start
+                a["tokens"] += out.num_tokens
+                a["calls"] += out.target_calls
+                a["drafted"] += sum(b.proposed for b in out.blocks)
+                a["tv"] += out.steps["tv"]
+                a["over"].append(max(out.steps["max_ratio"]))
+                a["lr"].append(out.log_ratio)
+        for label, a in acc.items():
+            per[label].append({
+                "tokens_per_call": a["tokens"] / a["calls"], "drafted_per_call": a["drafted"] / a["calls"],
+                "tokens_per_second": a["tokens"] / a["seconds"], "mean_tv": statistics.mean(a["tv"]),
+                "max_overshoot": max(a["over"]), "seq_log_ratio": statistics.mean(a["lr"]),
+            })
+        print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+    env = environment()
+    print(f"\n{env['cpu']} ({env['cpu_flags']}), torch {env['torch']}, {env['torch_threads']} thread(s); "
+          f"{len(prompts)} prompts x {args.max_new_tokens} tokens, T={args.temperature:g}, batch 1, "
+          f"{args.reps} repetitions (median [min, max])")
+    head = ["config", "tok/call", "drafted/call", "tokens/s", "TV", "max overshoot", "seq log-ratio"]
+    rows, summary = [], {}
+    for label, *_ in grid:
+        reps = per[label]
+        s = {key: spread([r[key] for r in reps]) for key in reps[0]}
+        summary[label] = s
+        rows.append([label, fmt_spread(s["tokens_per_call"]), f"{s['drafted_per_call']['median']:.2f}",
+                     fmt_spread(s["tokens_per_second"], 1), f"{s['mean_tv']['median']:.4f}",
+                     f"{s['max_overshoot']['median']:.2f}", fmt_spread(s["seq_log_ratio"], 3)])
+    print_table(head, rows)
+    if args.json:
+        write_json(args.json, {"environment": env, "args": vars(args), "summary": summary, "per_rep": per})
+
+
+if __name__ == "__main__":
+    main()
