@@ -1,0 +1,31 @@
+"""Repository hygiene that no other test sees: no merge-conflict markers in tracked text files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (".py", ".md", ".toml", ".txt", ".cfg", ".yaml", ".yml")
+MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+
+
+def tracked_text_files() -> list[Path]:
+    done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:  # not a git checkout (an unpacked sdist): check the sources we ship
+        return [p for p in ROOT.rglob("*") if p.suffix in TEXT and ".venv" not in p.parts]
+    return [ROOT / name for name in done.stdout.splitlines() if Path(name).suffix in TEXT or name == ".ci/run"]
+
+
+def test_no_merge_conflict_markers():
+    found = []
+    for path in tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        found += [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+                  for m in MARKER.finditer(text)]
+    assert not found, "merge-conflict markers left in: " + ", ".join(found)
+    assert MARKER.search("a\n<<<<<<< HEAD\nb\n") and not MARKER.search("# ======= heading\n")
