@@ -15,7 +15,8 @@ def tracked_text_files() -> list[Path]:
     done = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:  # not a git checkout (an unpacked sdist): check the sources we ship
         return [p for p in ROOT.rglob("*") if p.suffix in TEXT and ".venv" not in p.parts]
-    return [ROOT / name for name in done.stdout.splitlines() if Path(name).suffix in TEXT or name == ".ci/run"]
+    names = done.stdout.splitlines()
+    return [ROOT / name for name in names if Path(name).suffix in TEXT or name == ".ci/run"]
 
 
 def test_no_merge_conflict_markers():
