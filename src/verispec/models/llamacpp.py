@@ -14,6 +14,17 @@ unchanged (docs/design.md, 'Layering': a backend only answers `Session.logits_fo
   tokens), asking llama.cpp for logits at each row's last n positions only.
 - `LlamaCppSession`: the batch-1 `Session` over the same machinery.
 
+Exactness (`exact=True`, the default): greedy speculative decoding must emit exactly plain greedy
+decoding's tokens, so a token's logits must not depend on the other tokens fed with it (a 1-token
+step against a (k+1)-token verification pass, one row against a batch). ggml's fastest CPU paths
+break that: their activations are re-quantized per matmul, so a different summation order moves
+logits by up to 0.5 (measured on the Qwen pair), enough to flip near-tied argmaxes. Exact mode turns
+off each path measured to do it: repacked weight layouts (`use_extra_bufts`), the tiled K-quant
+matmul for >= 8 rows (`GGML_CPU_TILED_MM=0`, set by `library()` unless already set), flash attention
+(its split-KV path for one query over >= 512 cells and its tiled path for >= 64 queries), and, at
+build time, llamafile's tinyBLAS for >= 2 rows (`-DGGML_LLAMAFILE=OFF`; README). `batch_invariant`
+says whether all of them are off; the tests check the logits are then identical.
+
 Threads: `threads=` or `VERISPEC_THREADS`, else the machine's physical cores (`default_threads`).
 Install: `pip install "verispec[llamacpp]"` builds llama-cpp-python from source (README).
 """
@@ -36,6 +47,9 @@ from verispec.models.base import check_batch_request
 
 BACKEND = "llamacpp"
 TOKENIZER_MARKER = "verispec-source.json"
+TILED_ENV = "GGML_CPU_TILED_MM"  # ggml reads it once, at its first matmul: 0 turns the tiled path off
+FLASH_ATTN_AUTO, FLASH_ATTN_DISABLED = -1, 0  # llama_flash_attn_type
+log = logging.getLogger(__name__)
 INSTALL_HINT = ('the llama.cpp backend needs llama-cpp-python: pip install "verispec[llamacpp]" '
                 "(built from source; see the README, 'llama.cpp backend')")
 
@@ -80,9 +94,28 @@ def library():
         except ImportError as err:
             raise ImportError(INSTALL_HINT) from err
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its log callback reads this
+        os.environ.setdefault(TILED_ENV, "0")  # before any matmul: exact mode needs it (module docstring)
         llama_cpp.llama_backend_init()
         _LIB = llama_cpp
     return _LIB
+
+
+def build_features() -> dict[str, str]:
+    """ggml's CPU features as this llama-cpp-python build reports them, e.g. {"LLAMAFILE": "1"}."""
+    text = library().llama_print_system_info().decode(errors="replace")
+    pairs = (item.split("=", 1) for item in text.replace("CPU :", "").split("|") if "=" in item)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def invariance_breakers() -> list[str]:
+    """What keeps this process from batch-invariant logits in exact mode (empty: nothing)."""
+    found = []
+    if build_features().get("LLAMAFILE") == "1":
+        found.append("llama-cpp-python was built with llamafile's tinyBLAS (rebuild with "
+                     "CMAKE_ARGS=-DGGML_LLAMAFILE=OFF, README 'llama.cpp backend')")
+    if os.environ.get(TILED_ENV, "0").strip() != "0":
+        found.append(f"{TILED_ENV}={os.environ[TILED_ENV]} turns ggml's tiled matmul on")
+    return found
 
 
 def available() -> bool:
@@ -109,27 +142,30 @@ class LlamaCppModel:
 
     threads: llama.cpp's threads for every context (default `default_threads()`); context: the most
     positions one row may hold (prompt + generated), the `max_context` that `decode.check_context`
-    enforces; batch_context: the KV cells a batched session's rows share (its rows' lengths sum to at
-    most this); max_rows: the most rows a batched session holds at once; n_batch: the most tokens one
-    `llama_decode` call takes (longer feeds are split)."""
+    enforces; max_rows: the most rows a batched session holds at once; row_context: the most positions
+    one row of a batched session may hold (each row has its own KV stream of this size, so its cells
+    start at 0 as in a batch-1 session: the attention sums in the same order); n_batch: the most tokens one
+    `llama_decode` call takes (longer feeds are split); exact: batch-invariant kernels (module
+    docstring), whose success `batch_invariant` reports; False runs llama.cpp's fastest defaults."""
 
     backend = BACKEND
 
     def __init__(self, gguf: str | Path, tokenizer, name: str, *, threads: int | None = None,
-                 context: int = 4096, batch_context: int = 16384, max_rows: int = 64, n_batch: int = 512,
-                 stop_tokens: tuple[str, ...] = ()):
+                 context: int = 4096, max_rows: int = 8, row_context: int = 2048, n_batch: int = 512,
+                 stop_tokens: tuple[str, ...] = (), exact: bool = True):
         lib = library()
         gguf = Path(gguf)
         if not gguf.is_file():
             raise FileNotFoundError(f"GGUF file not found: {gguf}")
         threads = default_threads() if threads is None else threads
         for key, value, low in (("threads", threads, 1), ("context", context, 16),
-                                ("batch_context", batch_context, 16), ("max_rows", max_rows, 1),
+                                ("row_context", row_context, 16), ("max_rows", max_rows, 1),
                                 ("n_batch", n_batch, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = not exact  # repacked layouts: another kernel for 1 row than for many
         handle = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not handle:
             raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model file it supports)")
@@ -138,10 +174,16 @@ class LlamaCppModel:
         self._vocab = lib.llama_model_get_vocab(handle)
         self.name = name
         self.path = gguf
+        self.exact = exact
+        breakers = invariance_breakers() if exact else ["exact=False"]
+        self.batch_invariant = not breakers
+        if exact and breakers:
+            log.warning("%s: logits may depend on the batch (greedy SD may differ from plain greedy): %s",
+                        name, "; ".join(breakers))
         self.tokenizer = tokenizer
         self.threads = threads
         self.n_batch = n_batch
-        self.batch_context = batch_context
+        self.row_context = row_context
         self.max_rows = max_rows
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         if tokenizer is not None and len(tokenizer) > self.vocab_size:
@@ -189,9 +231,12 @@ class LlamaCppModel:
         params.n_batch = params.n_ubatch = self.n_batch
         params.n_seq_max = n_seq
         params.n_threads = params.n_threads_batch = self.threads
-        params.kv_unified = True  # rows share the cells: any row may grow up to n_ctx
+        # one KV stream per sequence (n_ctx / n_seq cells each): a row's cells start at 0 whatever the
+        # other rows hold, so attention sums over them in the batch-1 order (a shared stream does not)
+        params.kv_unified = False
         params.no_perf = True
         params.embeddings = False
+        params.flash_attn_type = FLASH_ATTN_DISABLED if self.exact else FLASH_ATTN_AUTO
         ctx = lib.llama_init_from_model(self._handle, params)
         if not ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_ctx} positions for {self.name}")
@@ -217,12 +262,12 @@ class LlamaCppBatchSession:
     """`BatchSession` on one llama.cpp context: caller row ids map to sequence ids; one decode per call.
 
     The context is created on the first call, with `n_seq` sequences (default the model's max_rows)
-    and `n_ctx` KV cells shared by all rows (default the model's batch_context)."""
+    of `row_ctx` positions each (default the model's row_context)."""
 
-    def __init__(self, owner: LlamaCppModel, n_seq: int | None = None, n_ctx: int | None = None):
+    def __init__(self, owner: LlamaCppModel, n_seq: int | None = None, row_ctx: int | None = None):
         self.owner = owner
         self.n_seq = owner.max_rows if n_seq is None else n_seq
-        self.n_ctx = owner.batch_context if n_ctx is None else n_ctx
+        self.row_ctx = min(owner.max_context, owner.row_context if row_ctx is None else row_ctx)
         self._ctx = None
         self._batch = None
         self._seq: dict[int, int] = {}  # caller row id -> llama.cpp sequence id
@@ -231,7 +276,7 @@ class LlamaCppBatchSession:
 
     def _open(self) -> None:
         lib = library()
-        ctx = self.owner.new_context(self.n_ctx, self.n_seq)
+        ctx = self.owner.new_context(self.n_seq * self.row_ctx, self.n_seq)
         batch = lib.llama_batch_init(self.owner.n_batch, 0, 1)
         self._ctx, self._batch = ctx, batch
         self._mem = lib.llama_get_memory(ctx)
@@ -260,9 +305,9 @@ class LlamaCppBatchSession:
         check_batch_request(rows, tokens, n)
         vocab = self.owner.vocab_size
         for row, seq in zip(rows, tokens):
-            if seq.shape[0] > self.owner.max_context:
-                raise ValueError(f"row {row}: {seq.shape[0]} tokens exceed {self.owner.name}'s context of "
-                                 f"{self.owner.max_context} positions (LlamaCppModel context=)")
+            if seq.shape[0] > self.row_ctx:
+                raise ValueError(f"row {row}: {seq.shape[0]} tokens exceed the {self.row_ctx} positions a "
+                                 f"row of {self.owner.name} may hold (LlamaCppModel row_context=)")
             if seq.numel() and (int(seq.min()) < 0 or int(seq.max()) >= vocab):
                 raise ValueError(f"row {row}: token ids must be in [0, {vocab})")
         new = [row for row in rows if row not in self._seq]
@@ -316,8 +361,8 @@ class LlamaCppBatchSession:
             if begin == 0:
                 self.owner.calls += 1
             if rc != 0:
-                hint = (f"the KV cache is full: the rows' lengths sum past {self.n_ctx} cells "
-                        "(LlamaCppModel batch_context=)" if rc == 1 else "see llama.cpp's log")
+                hint = (f"no KV cells left for a row of at most {self.row_ctx} positions "
+                        "(LlamaCppModel row_context=)" if rc == 1 else "see llama.cpp's log")
                 raise RuntimeError(f"llama_decode failed with code {rc} on {self.owner.name}: {hint}")
             outputs = sum(p[3] for p in part)
             if outputs:
@@ -357,7 +402,7 @@ class LlamaCppSession:
                 f"logits_for needs tokens [B, L] with L >= n >= 1, got {tuple(tokens.shape)} and n={n}")
         width = tokens.shape[0]
         if self._rows is None:
-            self._rows = LlamaCppBatchSession(self.owner, n_seq=width, n_ctx=width * self.owner.max_context)
+            self._rows = LlamaCppBatchSession(self.owner, n_seq=width, row_ctx=self.owner.max_context)
             self._width = width
         elif width != self._width:
             raise ValueError(f"this session holds {self._width} row(s); got tokens for {width}")
@@ -401,7 +446,7 @@ def load_llamacpp(path: str | Path, *, name: str | None = None, tokenizer=None, 
                   sha256: str | None = None, **options) -> LlamaCppModel:
     """A GGUF file -> LlamaCppModel (its tokenizer read from the GGUF unless given, cached in
     `tokenizer_cache` under the file's `sha256`: `gguf_tokenizer`); `options`: context,
-    batch_context, max_rows, n_batch (see LlamaCppModel)."""
+    max_rows, row_context, n_batch (see LlamaCppModel)."""
     path = Path(path)
     if not path.is_file() or path.suffix != ".gguf":
         raise FileNotFoundError(f"the llama.cpp backend needs a .gguf file, got {path}")
