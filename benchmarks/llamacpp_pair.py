@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default VERISPEC_THREADS "
                     "or the physical cores)")
     ap.add_argument("--reps", type=int, default=9, help="timed calls per per-call cost")
-    ap.add_argument("--json", default="benchmarks/results/llamacpp_pair.json")
+    ap.add_argument("--json", default=None, help="default benchmarks/results/llamacpp_pair_{exact,fast}.json")
     args = ap.parse_args()
     if args.threads:
         os.environ["VERISPEC_THREADS"] = str(args.threads)
@@ -116,6 +116,8 @@ def main() -> None:
           f"threads, load average {env['load_average']}")
     start = time.perf_counter()
     target, draft = load_model(TARGET), load_model(DRAFT)
+    print(f"exact mode (batch-invariant kernels): {target.exact} (VERISPEC_LLAMACPP_EXACT=0: the fast ones)")
+    env["exact"] = target.exact
     print(f"verispec pair loaded in {time.perf_counter() - start:.1f} s "
           f"(weights {target.model_bytes / 1e9:.2f} + {draft.model_bytes / 1e9:.2f} GB)")
     llm = llama_cpp.Llama(model_path=str(target.path), n_ctx=4096, n_batch=512, n_threads=threads,
@@ -178,8 +180,9 @@ def main() -> None:
     same = sum(r["plain_equals_llama"] for r in rows if r["temperature"] == 0)
     print(f"greedy SD == plain greedy on every prompt and k: {exact}; verispec plain == llama.cpp greedy on "
           f"{same}/{len(prompts)} prompts")
-    write_json(args.json, {"environment": env, "args": vars(args), "rows": rows, "costs": costs, "c": c,
-                           "v": v, "summary": {str(t): s for t, s in summary.items()}, "best_k": best})
+    out = args.json or f"benchmarks/results/llamacpp_pair_{'exact' if target.exact else 'fast'}.json"
+    write_json(out, {"environment": env, "args": vars(args), "rows": rows, "costs": costs, "c": c, "v": v,
+                     "summary": {str(t): s for t, s in summary.items()}, "best_k": best})
 
 
 if __name__ == "__main__":

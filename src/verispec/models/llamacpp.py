@@ -443,13 +443,17 @@ def gguf_tokenizer(path: str | Path, cache: Path | None = None, key: str | None 
 
 def load_llamacpp(path: str | Path, *, name: str | None = None, tokenizer=None, threads: int | None = None,
                   stop_tokens: tuple[str, ...] = (), tokenizer_cache: Path | None = None,
-                  sha256: str | None = None, **options) -> LlamaCppModel:
+                  sha256: str | None = None, exact: bool | None = None, **options) -> LlamaCppModel:
     """A GGUF file -> LlamaCppModel (its tokenizer read from the GGUF unless given, cached in
     `tokenizer_cache` under the file's `sha256`: `gguf_tokenizer`); `options`: context,
-    max_rows, row_context, n_batch (see LlamaCppModel)."""
+    max_rows, row_context, n_batch (see LlamaCppModel); exact None reads `VERISPEC_LLAMACPP_EXACT`
+    (0: llama.cpp's fast kernels, whose logits depend on the batch; default 1)."""
     path = Path(path)
     if not path.is_file() or path.suffix != ".gguf":
         raise FileNotFoundError(f"the llama.cpp backend needs a .gguf file, got {path}")
     library()  # fail with the install hint before reading the tokenizer
     tok = gguf_tokenizer(path, tokenizer_cache, sha256) if tokenizer is None else tokenizer
-    return LlamaCppModel(path, tok, name or path.stem, threads=threads, stop_tokens=stop_tokens, **options)
+    if exact is None:
+        exact = os.environ.get("VERISPEC_LLAMACPP_EXACT", "1").strip() != "0"
+    return LlamaCppModel(path, tok, name or path.stem, threads=threads, stop_tokens=stop_tokens, exact=exact,
+                         **options)
