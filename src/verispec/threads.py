@@ -21,24 +21,23 @@ ENV = "VERISPEC_THREADS"
 
 
 def physical_cores() -> int | None:
-    """Distinct (package, core) pairs in /proc/cpuinfo, or None where it does not say."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
+    """Physical cores among the CPUs this process may run on (hyper-threads of one core counted once,
+    from /sys/devices/system/cpu/cpuN/topology/thread_siblings_list), or None where that is unknown."""
+    if not hasattr(os, "sched_getaffinity"):
         return None
-    cores, package = set(), None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "physical id":
-            package = value.strip()
-        elif key == "core id":
-            cores.add((package, value.strip()))
+    cores = set()
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+            with open(path, encoding="ascii") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
     return len(cores) or None
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on, at most the physical cores (hyperthreads add no matmul units)."""
+    """The physical cores among the CPUs this process may run on (hyper-threads add no matmul units)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cores = physical_cores()
     return max(1, min(usable, cores) if cores else usable)

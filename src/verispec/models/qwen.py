@@ -9,6 +9,9 @@ safetensors directory (bf16 weights, tokenizer with its ChatML template, config)
 assembled GGUF; later calls verify that directory against the sha256 of each file recorded at
 conversion and return it (a missing or corrupted file: rebuilt from the parts, never loaded).
 
+`gguf_path()` assembles the GGUF alone (no conversion) under `<cache>/gguf/`, for backends that run
+the GGUF as is (verispec.models.llamacpp); `locate()` never deletes that copy.
+
 The assembly and check functions take the part files and the expected sha256 as arguments, so
 they are tested on small fake parts without the real packages.
 """
@@ -224,3 +227,14 @@ def locate(parts: PartSet, root: Path | None = None) -> Path:
     gguf.unlink(missing_ok=True)  # the parts stay installed: a rebuild reassembles them
     return dest
 
+
+
+def gguf_path(parts: PartSet, root: Path | None = None) -> Path:
+    """The assembled GGUF file of `parts` (`<cache>/gguf/<name>.gguf`), built from the installed part
+    packages on first use and checked by sha256 on every call (a corrupted copy is rebuilt); for
+    backends that run the GGUF as is. FileNotFoundError naming the packages when they are missing."""
+    root = Path(root) if root is not None else cache_root()
+    dest = root / "gguf" / parts.gguf_name
+    if dest.is_file() and sha256_file(dest) == parts.sha256:
+        return dest
+    return assemble(find_parts(parts), parts.sha256, dest)
