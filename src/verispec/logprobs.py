@@ -9,6 +9,10 @@ the rule drew it from given the decoder's state (its committed tokens and their 
 `raw_logprob` under the raw model, and the token's `role` (accepted, recovered, bonus, plain). The
 sums give the importance weight of the tokens against the target: exp(sum logprob - sum
 behaviour_logprob) = exp(-log_ratio).
+
+`prompt_logprobs` scores a prompt's own tokens (OpenAI's `echo` with `logprobs`, what lm-eval's
+`loglikelihood` reads): one target pass over the prompt, the raw model's log-probabilities (a prompt
+token was not sampled, so no sampling setting applies to it, and it has no behaviour law).
 """
 
 from __future__ import annotations
@@ -47,9 +51,38 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None) ->
     return out
 
 
+def prompt_logprobs(model, prompt_ids: list[int], top: int = 0, decode=None) -> list[dict]:
+    """One entry per prompt token, in `token_logprobs`'s shape, from one pass of `model` over the
+    prompt: `logprob` = `raw_logprob` = log softmax of the raw model's logits at the previous position
+    (None for the first token: nothing predicts it, OpenAI's null), `behaviour_logprob` None (the token
+    was not sampled), `role` "prompt", and with `top` > 0 `top` = the `top` most likely tokens under
+    the same law (None for the first token). The token's log-probability and the top values are read
+    from the same float64 row, so a token that is the argmax equals the top value exactly (lm-eval's
+    `is_greedy` compares them with ==)."""
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, L]
+    with torch.no_grad():
+        logits = model.session().logits_for(ids, ids.shape[1])[0]  # [L, V]: row i predicts token i + 1
+    rows = torch.log_softmax(logits[:-1].double(), dim=-1)  # [L - 1, V]: row i - 1 scores token i
+    if top:
+        values, tops = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [L - 1, top] each
+    out = []
+    for i, token in enumerate(prompt_ids):
+        logprob = None if i == 0 else float(rows[i - 1, token])
+        entry = {"token_id": token, "logprob": logprob, "behaviour_logprob": None, "raw_logprob": logprob,
+                 "role": "prompt"}
+        if decode is not None:
+            entry["token"] = decode([token])
+        if top:
+            entry["top"] = None if i == 0 else list(zip(tops[i - 1].tolist(), values[i - 1].tolist()))
+        out.append(entry)
+    return out
+
+
 def totals(entries: list[dict]) -> dict:
     """The sequence sums: target and behaviour log-probabilities of the returned tokens, and the log
-    importance weight of the response against the target (their difference)."""
+    importance weight of the response against the target (their difference). Prompt entries (echo)
+    are left out: they were not sampled."""
+    entries = [e for e in entries if e["role"] != "prompt"]
     target = math.fsum(e["logprob"] for e in entries)
     behaviour = math.fsum(e["behaviour_logprob"] for e in entries)
     return {"sum_logprob": target, "sum_behaviour_logprob": behaviour,

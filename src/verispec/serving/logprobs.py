@@ -11,13 +11,15 @@ MAX_TOP_LOGPROBS = 20
 
 def completion_logprobs(entries: list[dict], decode) -> dict:
     """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) plus verispec's
-    behaviour_logprobs, raw_logprobs, token_roles and the sequence totals."""
+    behaviour_logprobs, raw_logprobs, token_roles and the sequence totals. With `echo` the prompt's
+    entries (`verispec.logprobs.prompt_logprobs`, role "prompt", behaviour_logprob null) come first;
+    the first token's token_logprobs and top_logprobs are null (OpenAI's)."""
     offsets, at = [], 0
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    tops = [{decode([t]): lp for t, lp in e["top"]} for e in entries] if entries and "top" in entries[0] \
-        else None
+    tops = [None if e["top"] is None else {decode([t]): lp for t, lp in e["top"]} for e in entries] \
+        if entries and "top" in entries[-1] else None  # an echoed prompt's first token has none (null)
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": offsets,
             "behaviour_logprobs": [e["behaviour_logprob"] for e in entries],
