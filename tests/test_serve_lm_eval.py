@@ -12,10 +12,13 @@ against the target's log-probabilities computed directly with transformers' own 
 same weights (an independent path from the server's LeanLlama kernels).
 
 Also: `echo` with `max_tokens` 0 and > 0 (the prompt's entries first, then the generated ones, equal
-to the same request without echo), streamed echo, and the 400s of what is refused."""
+to the same request without echo), streamed echo, the 400s of what is refused, and the server's
+log_ratio against the library's for the same seed (the rollouts of tests/test_importance_default_pair.py
+are the library's)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -29,6 +32,8 @@ torch = pytest.importorskip("torch")
 
 from test_serve import PROMPT, Running  # noqa: E402
 
+from verispec.decode import DecodeConfig, decode_prompts  # noqa: E402
+from verispec.rules import parse  # noqa: E402
 from verispec.serving.config import ServeConfig  # noqa: E402
 
 # transformers' forward vs the server's LeanLlama forward, both float32: logits agree to ~1e-5 (different
@@ -227,3 +232,25 @@ def test_echo_with_and_without_generation(srv):
 def test_echo_refusals(srv, path, body, param):
     reply = post(srv, body, path)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.mark.slow
+def test_server_log_ratio_equals_the_library(srv):
+    """The Monte Carlo check of tests/test_importance_default_pair.py runs on the library's rollouts; the
+    server returns the same log_ratio (and importance weight) for the same prompt, rule and seed, to
+    float32 rounding of batched vs batch-1 forward passes (~1e-5 per token; 3 tokens here)."""
+    server = srv.app.state.server
+    ids = server.target.encode(PROMPT)
+    seeds = [0, 1, 2]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    gens = decode_prompts(server.target, [ids] * len(seeds), generators,
+                          DecodeConfig(k=2, max_new_tokens=3), drafter=copy.copy(server.drafter),
+                          rule=parse(LOSSY))
+    for seed, gen in zip(seeds, gens):
+        body = post(srv, {"prompt": PROMPT, "max_tokens": 3, "seed": seed, "logprobs": 0,
+                          "verification": {"rule": LOSSY, "k": 2}}).json()
+        assert body["token_ids"] == list(gen.token_ids)
+        assert body["verification"]["log_ratio"] == pytest.approx(gen.log_ratio, abs=1e-4)
+        lp = body["choices"][0]["logprobs"]
+        assert lp["log_importance_weight"] == pytest.approx(-gen.log_ratio, abs=1e-4)
+        assert lp["behaviour_logprobs"] == pytest.approx(gen.steps["log_law"], abs=1e-4)
