@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 from test_serve import PROMPT, Running  # noqa: E402
 
 from verispec.decode import DecodeConfig, decode_prompts  # noqa: E402
+from verispec.logprobs import behaviour_rows  # noqa: E402
 from verispec.rules import parse  # noqa: E402
 from verispec.serving.config import ServeConfig  # noqa: E402
 
@@ -237,18 +238,24 @@ def test_echo_refusals(srv, path, body, param):
 @pytest.mark.slow
 def test_server_log_ratio_equals_the_library(srv):
     """The Monte Carlo check of tests/test_importance_default_pair.py runs on the library's rollouts; the
-    server returns the same log_ratio (and importance weight) for the same prompt, rule and seed, to
+    server returns the same log_ratio (and importance weight, and top tokens of each behaviour law) for
+    the same prompt, rule and seed, to
     float32 rounding of batched vs batch-1 forward passes (~1e-5 per token; 3 tokens here)."""
     server = srv.app.state.server
     ids = server.target.encode(PROMPT)
     seeds = [0, 1, 2]
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     gens = decode_prompts(server.target, [ids] * len(seeds), generators,
-                          DecodeConfig(k=2, max_new_tokens=3), drafter=copy.copy(server.drafter),
-                          rule=parse(LOSSY))
+                          DecodeConfig(k=2, max_new_tokens=3, keep_probs=True),
+                          drafter=copy.copy(server.drafter), rule=parse(LOSSY))
     for seed, gen in zip(seeds, gens):
-        body = post(srv, {"prompt": PROMPT, "max_tokens": 3, "seed": seed, "logprobs": 0,
+        body = post(srv, {"prompt": PROMPT, "max_tokens": 3, "seed": seed, "logprobs": 3,
                           "verification": {"rule": LOSSY, "k": 2}}).json()
+        # the top tokens of each token's behaviour law (emitted(p, q) / bonus law), the library's
+        laws = behaviour_rows(gen, gen.num_tokens)  # [tokens, V]
+        for row, top in zip(laws, body["choices"][0]["logprobs"]["top_behaviour_logprobs"]):
+            values = sorted(top.values(), reverse=True)
+            assert values == pytest.approx(row.topk(3).values.log().tolist(), abs=1e-4)
         assert body["token_ids"] == list(gen.token_ids)
         assert body["verification"]["log_ratio"] == pytest.approx(gen.log_ratio, abs=1e-4)
         lp = body["choices"][0]["logprobs"]

@@ -22,12 +22,16 @@ import math
 import torch
 
 from verispec.decode import Generation
+from verispec.probability import renormalised_f64
+
+DRAFTED = ("accepted", "recovered")  # the roles of a token emitted at a draft position
 
 
 def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None) -> list[dict]:
     """One entry per returned token (the first `returned` of `gen.token_ids`): token_id, token (its
     text, with `decode`), logprob, behaviour_logprob, raw_logprob, role, and with `top` > 0
-    `top` = [(token_id, logprob), ...], the most likely tokens under the processed target (needs
+    `top` = [(token_id, logprob), ...], the most likely tokens under the processed target, and
+    `top_behaviour` = the same under the token's behaviour law (`behaviour_rows`) (both need
     `gen.probs`: decode with keep_probs). ValueError without the per-token record (diagnostics off)."""
     steps = gen.steps
     if steps is None:
@@ -36,6 +40,7 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None) ->
     if rows is not None:
         rows = rows / rows.sum(-1, keepdim=True)  # [returned, V]; float32 rows sum to 1 within ~1e-6
         values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [returned, top] each
+        law_values, law_ids = behaviour_rows(gen, returned).topk(min(top, rows.shape[-1]), dim=-1)
     out = []
     for i in range(returned):
         token = gen.token_ids[i]
@@ -47,8 +52,39 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None) ->
         if rows is not None:
             entry["top"] = [(int(t), math.log(v) if v > 0 else -math.inf)
                             for v, t in zip(values[i].tolist(), ids[i].tolist())]
+            entry["top_behaviour"] = [(int(t), math.log(v) if v > 0 else -math.inf)
+                                      for v, t in zip(law_values[i].tolist(), law_ids[i].tolist())]
         out.append(entry)
     return out
+
+
+def behaviour_rows(gen: Generation, returned: int) -> torch.Tensor:
+    """The full behaviour law of each of the first `returned` tokens, [returned, V] float64: the law the
+    rule drew the token from given the decoder's state (docs/design.md, 'Rule anatomy'):
+    `rule.emitted_law(p, q)` at a draft position (role accepted or recovered), `rule.bonus_law(p)` at a
+    bonus position, p itself for a lossless rule or plain decoding. The same laws as
+    `verispec.diagnostics.shift.position_stats`, whose value at the token is `steps["log_law"]`.
+    Needs `gen.probs` (keep_probs) and `gen.steps` (diagnostics)."""
+    if gen.probs is None or gen.steps is None:
+        raise ValueError("the behaviour law needs the decoder's rows and per-token record: decode with "
+                         "keep_probs and diagnostics on")
+    q_blocks = []
+    for p_block, q_block in zip(gen.probs["target"], gen.probs["draft"]):  # per block: [n, V], [m, V]
+        q_block = q_block[: p_block.shape[0]]  # [min(m, n), V]: the drafted positions kept
+        pad = p_block.new_zeros((p_block.shape[0] - q_block.shape[0], p_block.shape[1]))  # [n - m, V]
+        q_blocks.append(torch.cat([q_block, pad]))  # [n, V]
+    p = renormalised_f64(torch.cat(gen.probs["target"])[:returned])  # [returned, V]
+    rule = gen.rule
+    if rule is None or rule.lossless:
+        return p
+    q = torch.cat(q_blocks)[:returned]  # [returned, V]; zero rows at bonus positions
+    drafted = torch.tensor([r in DRAFTED for r in gen.steps["role"][:returned]], dtype=torch.bool)
+    law = torch.empty_like(p)  # [returned, V]
+    if drafted.any():
+        law[drafted] = rule.emitted_law(p[drafted], renormalised_f64(q[drafted]))
+    if not drafted.all():
+        law[~drafted] = rule.bonus_law(p[~drafted])
+    return law
 
 
 def prompt_logprobs(model, prompt_ids: list[int], top: int = 0, decode=None) -> list[dict]:

@@ -96,6 +96,12 @@ COMPLETION_LOGPROBS_EXTRA = {
     "behaviour_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
                            "description": "per token: log law_t(x_t), the law the rule drew it from; null "
                                           "for an echoed prompt token (not sampled: no behaviour law)"},
+    "top_behaviour_logprobs": {"type": ["array", "null"], "items": {"type": ["object", "null"]},
+                               "description": "per token (with logprobs >= 1): the most likely tokens "
+                                              "under its behaviour law (emitted(p, q) at a draft position, "
+                                              "the bonus law at a bonus position: docs/design.md, 'Rule "
+                                              "anatomy'), as top_logprobs is under the target; null for an "
+                                              "echoed prompt token"},
     "raw_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
                      "description": "the raw model's (null for the first token of an echoed prompt)"},
     "token_roles": {"type": "array", "items": {"type": "string"},
