@@ -4,7 +4,8 @@ logprobs; a `generate_until` task), offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLIN
 the default pair's own tokenizer.json). Every log-likelihood lm-eval reports equals the continuation's
 log-probability under the target computed directly (transformers' forward, log softmax) within 2e-4
 (tests/test_serve_lm_eval.py gives the bound), its is_greedy flag equals the direct argmax check, and
-each generation (non-empty) equals argmax decoding cut at the task's stop string. A real server on 127.0.0.1."""
+each generation (non-empty) equals argmax decoding cut at the task's stop string. A real server on
+127.0.0.1."""
 
 from __future__ import annotations
 

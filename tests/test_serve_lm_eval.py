@@ -222,6 +222,12 @@ def test_echo_with_and_without_generation(srv):
     assert chunks[0]["choices"][0]["text"] == target.decode(ids)
     assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["logprobs"]["token_logprobs"] == b["token_logprobs"]
+    only_prompt = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "stream": True}
+    with srv.http.stream("POST", srv.url + "/v1/completions", json=only_prompt) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert [c["choices"][0]["text"] for c in chunks] == [target.decode(ids), ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.slow
