@@ -110,7 +110,8 @@ def _token_list(value) -> bool:
 
 # Request fields the server honours or checks (OpenAI's, plus vLLM's top_k / min_p / ignore_eos and
 # verispec's verification); any other field is refused, never ignored. `user` and `stream_options`
-# change no output; the rest must be off (best_of 1, echo false, no logprobs, penalties 0, ...).
+# change no output; the rest must be off (best_of 1, no suffix, penalties 0, no logit_bias; echo only on
+# completions).
 COMMON_FIELDS = frozenset({
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stream_options", "ignore_eos", "verification", "user", "best_of", "echo", "logprobs", "top_logprobs",
@@ -230,7 +231,15 @@ class Server:
             raise APIError(400, f"n={n!r} can never be admitted: this server holds "
                                 f"{self.config.max_batch + self.config.max_queue} requests", "n",
                            "unsupported")
-        for key, off in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, "")),
+        echo = body.get("echo", False)
+        if echo is None:
+            echo = False
+        if not isinstance(echo, bool):
+            raise APIError(400, f"'echo' must be true or false, got {echo!r}", "echo")
+        if echo and chat:
+            raise APIError(400, "'echo' is a completions field (/v1/completions): chat has no echo", "echo",
+                           "unsupported")
+        for key, off in (("best_of", (None, 1)), ("suffix", (None, "")),
                          ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
                          ("logit_bias", (None, {}))):
             if not _is_off(body.get(key), off):
@@ -258,8 +267,11 @@ class Server:
         key = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
             key = "max_completion_tokens"
-        max_tokens = _number(body, key, int, 1, self.config.max_tokens_limit,
+        max_tokens = _number(body, key, int, 0, self.config.max_tokens_limit,
                              default=self.config.default_max_tokens)
+        if max_tokens == 0 and not echo:
+            raise APIError(400, f"'{key}' must be >= 1 (0 only with 'echo': true, to score the prompt), "
+                                "got 0", key)
         if self.context is not None and len(prompt_ids) + max_tokens > self.context:
             raise APIError(400, f"this model's maximum context length is {self.context} tokens; the prompt "
                                 f"has {len(prompt_ids)} and max_tokens is {max_tokens}", key,
@@ -305,7 +317,7 @@ class Server:
         warnings = self.check_response_tv(rule, max_tokens)
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
                       seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos,
-                      logprobs=logprobs, include_usage=include_usage, warnings=warnings, n=n)
+                      logprobs=logprobs, include_usage=include_usage, warnings=warnings, n=n, echo=echo)
 
     def parse_logprobs(self, body: dict, chat: bool) -> int | None:
         """None (no log-probabilities), or how many top alternatives each token carries. Completions:
@@ -536,11 +548,16 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                 out.update(fields)
             return {**out, "warnings": params.warnings} if params.warnings else out
 
-        def logprobs(gen: Generation, returned: int) -> dict | None:
+        prompt_text = server.target.decode(params.prompt_ids) if params.echo else ""
+
+        def logprobs(i: int, gen: Generation, returned: int) -> dict | None:
+            """Choice i's: with echo, the prompt's entries first (scored by the engine), then the
+            generated tokens'."""
             if params.logprobs is None:
                 return None
             decode = server.target.decode
-            entries = token_logprobs(gen, returned, params.logprobs, decode)
+            entries = token_logprobs(gen, returned, params.logprobs, decode) if returned else []
+            entries = (jobs[i].prompt_entries or []) + entries
             return json_safe(chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode))
 
         def chunk(choices: list, **extra) -> str:
@@ -557,6 +574,10 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None} for i in range(params.n)])
                     finished, prompt_tokens = 0, len(params.prompt_ids)
+                    if params.echo:  # the prompt first, in a chunk of its own per choice
+                        for i in range(params.n):
+                            yield chunk([{"index": i, "text": prompt_text, "logprobs": None,
+                                          "finish_reason": None}])
                     while finished < params.n:
                         i, event = await events.get()
                         if event[0] == "delta":
@@ -567,7 +588,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                         elif event[0] == "done":
                             _, gen, _text, finish, report, returned = event
                             returned_tokens[i], finished = returned, finished + 1
-                            lp = logprobs(gen, returned)  # every token's, in the chunk that ends the choice
+                            lp = logprobs(i, gen, returned)  # all its tokens, in its last chunk
                             fields = choice_fields(i, gen, report, returned)
                             last = ({"index": i, "delta": {}, "logprobs": lp, "finish_reason": finish} if chat
                                     else {"index": i, "text": "", "logprobs": lp, "finish_reason": finish})
@@ -606,10 +627,10 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             _, gen, text, finish, report, returned = results[i]
             returned_tokens[i] = returned
             fields = choice_fields(i, gen, report, returned)
-            lp = logprobs(gen, returned)
+            lp = logprobs(i, gen, returned)
             choice = ({"index": i, "message": {"role": "assistant", "content": text},
                        "finish_reason": finish, "logprobs": lp} if chat else
-                      {"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+                      {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish})
             choices.append(choice if params.n == 1 else {**choice, **fields})
         return {"id": rid, "object": obj, "created": created, "model": params.model, "choices": choices,
                 "usage": usage(len(params.prompt_ids)), **top_fields(fields)}

@@ -33,6 +33,7 @@ import torch
 
 from verispec import api
 from verispec.decode import BatchDecoder, DecodeConfig, Generation
+from verispec.logprobs import prompt_logprobs
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
 from verispec.serving.config import APIError, ServeConfig, shutting_down
@@ -58,6 +59,7 @@ class Params:
     n: int = 1  # choices: choice i decodes with seed + i
     logprobs: int | None = None  # None: none; else per-token log-probabilities with this many top tokens
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    echo: bool = False  # completions: the prompt comes first in the text (and, with logprobs, its entries)
     warnings: list[str] = field(default_factory=list)  # returned with the response
 
 
@@ -80,6 +82,7 @@ class Job:
     group: tuple | None = None
     row: int | None = None
     index: int = 0  # the choice this job decodes (a request with n choices has n jobs on one queue)
+    prompt_entries: list[dict] | None = None  # echo with logprobs: the prompt's (prompt_logprobs)
 
 
 class Engine:
@@ -233,6 +236,22 @@ class Engine:
     def _admit(self, job: Job) -> None:
         p = job.params
         key = (p.rule.spec if p.rule is not None else "plain", p.sampling)
+        if p.echo and (p.logprobs is not None or p.max_tokens == 0):
+            try:  # a failure here fails this request alone (500), never the engine
+                if p.logprobs is not None:  # one target pass over the prompt, on this thread
+                    job.prompt_entries = prompt_logprobs(self.target, p.prompt_ids, p.logprobs,
+                                                         self.target.decode)
+                event = self._deliver(job, self._nothing(job), "length") if p.max_tokens == 0 else None
+            except Exception as err:  # noqa: BLE001
+                log.error("request %s failed: %r", job.id, err)
+                self.running -= 1
+                self._emit(job, ("error", APIError(500, f"the prompt could not be scored: {err}",
+                                                   kind="server_error")))
+                return
+            if event is not None:  # max_tokens 0: the prompt scored, nothing decoded
+                self.running -= 1
+                self._emit(job, event)
+                return
         try:
             dec = self._groups.get(key)
             if dec is None:
@@ -250,6 +269,13 @@ class Engine:
             return
         job.group, job.row = key, row
         self._jobs[(key, row)] = job
+
+    def _nothing(self, job: Job) -> Generation:
+        """The empty generation of a max_tokens=0 request: no block, no decoder call, no per-token
+        record (its report's per-token means are null)."""
+        p = job.params
+        return Generation(prompt_ids=tuple(p.prompt_ids), token_ids=(), blocks=(), steps=None, target_calls=0,
+                          draft_calls=0, seconds=0.0, finish="length", rule=p.rule)
 
     def _step(self, key: tuple) -> None:
         dec = self._groups[key]

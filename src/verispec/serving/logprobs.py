@@ -11,26 +11,34 @@ MAX_TOP_LOGPROBS = 20
 
 def completion_logprobs(entries: list[dict], decode) -> dict:
     """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) plus verispec's
-    behaviour_logprobs, raw_logprobs, token_roles and the sequence totals."""
+    behaviour_logprobs, top_behaviour_logprobs (the most likely tokens under each token's behaviour
+    law, `verispec.logprobs.behaviour_rows`), raw_logprobs, token_roles and the sequence totals. With
+    `echo` the prompt's entries (`verispec.logprobs.prompt_logprobs`, role "prompt", behaviour_logprob
+    null) come first; the first token's token_logprobs and top_logprobs are null (OpenAI's)."""
     offsets, at = [], 0
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    tops = [{decode([t]): lp for t, lp in e["top"]} for e in entries] if entries and "top" in entries[0] \
-        else None
+    tops = [None if e["top"] is None else {decode([t]): lp for t, lp in e["top"]} for e in entries] \
+        if entries and "top" in entries[-1] else None  # an echoed prompt's first token has none (null)
+    behaviour_tops = [None if e.get("top_behaviour") is None else
+                      {decode([t]): lp for t, lp in e["top_behaviour"]} for e in entries] if tops else None
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": tops, "text_offset": offsets,
+            "top_logprobs": tops, "text_offset": offsets, "top_behaviour_logprobs": behaviour_tops,
             "behaviour_logprobs": [e["behaviour_logprob"] for e in entries],
             "raw_logprobs": [e["raw_logprob"] for e in entries], "token_roles": [e["role"] for e in entries],
             **totals(entries)}
 
 
 def chat_logprobs(entries: list[dict], decode) -> dict:
-    """The chat shape (content: one object per token, with its top_logprobs) plus verispec's fields."""
+    """The chat shape (content: one object per token, with its top_logprobs) plus verispec's fields
+    (top_behaviour_logprobs: the top tokens under the token's behaviour law)."""
     def item(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
 
     content = [{**item(e["token"], e["logprob"]), "behaviour_logprob": e["behaviour_logprob"],
                 "raw_logprob": e["raw_logprob"], "token_role": e["role"],
-                "top_logprobs": [item(decode([t]), lp) for t, lp in e.get("top", [])]} for e in entries]
+                "top_logprobs": [item(decode([t]), lp) for t, lp in e.get("top", [])],
+                "top_behaviour_logprobs": [item(decode([t]), lp) for t, lp in e.get("top_behaviour", [])]}
+               for e in entries]
     return {"content": content, **totals(entries)}

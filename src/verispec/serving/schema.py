@@ -93,13 +93,24 @@ VERIFICATION_REPORT = {
 }
 
 COMPLETION_LOGPROBS_EXTRA = {
-    "behaviour_logprobs": {"type": "array", "items": {"type": "number"},
-                           "description": "per token: log law_t(x_t), the law the rule drew it from"},
-    "raw_logprobs": {"type": "array", "items": {"type": "number"}, "description": "the raw model's"},
+    "behaviour_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
+                           "description": "per token: log law_t(x_t), the law the rule drew it from; null "
+                                          "for an echoed prompt token (not sampled: no behaviour law)"},
+    "top_behaviour_logprobs": {"type": ["array", "null"], "items": {"type": ["object", "null"]},
+                               "description": "per token (with logprobs >= 1): the most likely tokens "
+                                              "under its behaviour law (emitted(p, q) at a draft position, "
+                                              "the bonus law at a bonus position: docs/design.md, 'Rule "
+                                              "anatomy'), as top_logprobs is under the target; null for an "
+                                              "echoed prompt token"},
+    "raw_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
+                     "description": "the raw model's (null for the first token of an echoed prompt)"},
     "token_roles": {"type": "array", "items": {"type": "string"},
-                    "description": "accepted, recovered, bonus or plain"},
-    "sum_logprob": {"type": "number", "description": "sum of the target log-probs (token_logprobs)"},
-    "sum_behaviour_logprob": {"type": "number"},
+                    "description": "accepted, recovered, bonus or plain; prompt for an echoed prompt's "
+                                   "tokens (echo: they come first, their token_logprobs are the raw "
+                                   "model's, the first one null as OpenAI's)"},
+    "sum_logprob": {"type": "number", "description": "sum of the target log-probs (token_logprobs) of the "
+                                                     "generated tokens (an echoed prompt's are left out)"},
+    "sum_behaviour_logprob": {"type": "number", "description": "the same sum of behaviour_logprobs"},
     "log_importance_weight": {"type": ["number", "null"],
                               "description": "sum_logprob - sum_behaviour_logprob (docs/design.md, "
                                              "'Log-probabilities and importance weights')"},
