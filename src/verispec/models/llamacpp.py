@@ -119,11 +119,12 @@ class LlamaCppModel:
 
     threads: llama.cpp's threads for every context (default `verispec.threads.resolve_threads()`);
     context: the most positions one row may hold (prompt + generated), the `max_context` that
-    `decode.check_context` enforces; max_rows: the most rows a batched session holds at once; row_context: the most positions
-    one row of a batched session may hold (each row has its own KV stream of this size, so its cells
-    start at 0 as in a batch-1 session: the attention sums in the same order); n_batch: the most tokens one
-    `llama_decode` call takes (longer feeds are split); exact: batch-invariant kernels (module
-    docstring), whose success `batch_invariant` reports; False runs llama.cpp's fastest defaults."""
+    `decode.check_context` enforces; max_rows: the most rows a batched session holds at once;
+    row_context: the most positions one row of a batched session may hold (each row has its own KV
+    stream of this size, so its cells start at 0 as in a batch-1 session: the attention sums in the
+    same order); n_batch: the most tokens one `llama_decode` call takes (longer feeds are split); exact:
+    batch-invariant kernels (module docstring), whose success `batch_invariant` reports; False runs
+    llama.cpp's fastest defaults."""
 
     backend = BACKEND
 
