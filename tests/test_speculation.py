@@ -35,6 +35,14 @@ def test_the_best_k_grows_with_the_acceptance():
     assert not policy.pays([0.9] * 4, [2] * 4)  # batch 4: 4 * 2.71 tokens per 5.2 s < 4 per 1.0 s
 
 
+def test_a_row_explores_before_it_stops_drafting():
+    """k = 0 forever would never learn the row's acceptance: below `explore` tests a row drafts >= 1."""
+    policy = AdaptivePolicy(COSTS, k_max=2, explore=8)
+    assert policy.choose_k(0.1) == 0
+    assert policy.choose_k(0.1, tests=3) == 1 and policy.choose_k(0.1, tests=8) == 0
+    assert policy.choose_k(0.95, tests=0) == 2  # exploring never lowers a choice
+
+
 def test_acceptance_counts_tests_not_drafts():
     seen = RowAcceptance()
     seen.update(proposed=4, accepted=1)  # accepted one, rejected the second: 2 tests, 3rd and 4th untested
@@ -70,7 +78,7 @@ def test_choosing_k_from_the_past_keeps_a_lossless_rule_exact():
     Power: the same sampler with a lossy rule is told apart from the target at the same threshold."""
     target, _ = toy_pair()
     truth = as_vector(joint_law(law_fn(target, [1]), V, 3), 3)
-    policy = AdaptivePolicy(COSTS, k_max=2, by_batch=False)
+    policy = AdaptivePolicy(COSTS, k_max=2, by_batch=False, explore=0)  # rows of 3 tokens: no exploring
     counts, gens = adaptive_counts("lossless", policy, 2000, 3)
     chosen = {k for g in gens for k in g.speculation["k_per_block"]}
     assert {0, 1, 2} <= chosen  # the policy did vary k

@@ -16,7 +16,7 @@ from verispec.models import ModelDrafter, check_compatible, default_draft, load_
 from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
-from verispec.speculation import AdaptivePolicy, measure_costs
+from verispec.speculation import AdaptivePolicy, Costs, measure_costs
 from verispec.tree_decode import TreeVerification, tree_verification_rule
 from verispec.trees import DraftShape, parse_shape
 
@@ -70,6 +70,24 @@ def resolve_drafter(draft, target, device: str = "cpu", dtype: torch.dtype = tor
 
 
 MAX_SEED = 2**63 - 1
+# measured pass costs per (target, draft model, batch sizes) in this process; each entry holds the two
+# models too, so the ids in its key cannot be reused by other objects while it lives
+_COSTS: dict[tuple, tuple[Costs, object, object]] = {}
+
+
+def pair_costs(target, drafter, prompt_ids: list[int], sizes: tuple[int, ...],
+               sampling: SamplingConfig) -> Costs:
+    """The pair's pass costs on this machine (`verispec.speculation.measure_costs`), measured on the first
+    call for these models and batch sizes and reused by later calls in this process (with a large model
+    a measurement takes seconds: dozens of passes)."""
+    model = getattr(drafter, "model", drafter)
+    key = (id(target), id(model), sizes)
+    if key not in _COSTS:
+        costs = measure_costs(target, drafter, prompt_ids, AUTO_K_MAX, sizes, sampling=sampling)
+        _COSTS[key] = (costs, target, model)
+    return _COSTS[key][0]
+
+
 AUTO_K = "auto"  # k chosen per block and row from measured costs (verispec.speculation)
 AUTO_K_MAX = 8  # the widest block k="auto" considers
 
@@ -366,10 +384,9 @@ def generate(
     drafter = resolve_drafter(draft, target_model, device, as_dtype(draft_dtype))
     prompt_ids = [encode_prompt(target_model, p, chat) for p in prompts]
     policy = None
-    if adaptive and drafter is not None:  # costs measured here, now, on the first prompt
+    if adaptive and drafter is not None:
         sizes = tuple(sorted({1, min(batch_size, len(prompt_ids))}))
-        costs = measure_costs(target_model, drafter, prompt_ids[0], AUTO_K_MAX, sizes, sampling=sampling)
-        policy = AdaptivePolicy(costs, AUTO_K_MAX)
+        policy = AdaptivePolicy(pair_costs(target_model, drafter, prompt_ids[0], sizes, sampling), AUTO_K_MAX)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics,
                           policy=policy, tree=shape)
     generators = [torch.Generator().manual_seed(s) for s in seeds]

@@ -94,14 +94,19 @@ class AdaptivePolicy:
     costs: Costs
     k_max: int
     by_batch: bool = True
+    # a row drafts at least one token until it has made this many acceptance tests: a row that never
+    # drafts never learns its acceptance, and the prior alone (1/2) would keep it at k = 0 for good
+    explore: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_max, int) or not 1 <= self.k_max <= self.costs.k_max:
             raise ValueError(f"k_max must be between 1 and the measured {self.costs.k_max}, got {self.k_max}")
 
-    def choose_k(self, acceptance: float) -> int:
-        """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k)."""
-        return min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
+    def choose_k(self, acceptance: float, tests: int | None = None) -> int:
+        """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k); at
+        least 1 while the row has made fewer than `explore` acceptance tests (`tests`)."""
+        best = min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
+        return max(best, 1) if tests is not None and tests < self.explore else best
 
     def pays(self, acceptances: list[float], ks: list[int]) -> bool:
         """Whether a block with these rows' k beats plain decoding's tokens per second at this batch size."""
