@@ -31,7 +31,7 @@ def test_the_best_k_grows_with_the_acceptance():
     assert [policy.choose_k(a) for a in (0.1, 0.5, 0.95)] == [0, 1, 2]
     # per token at a = 0.5: k=0 costs 1.0, k=1 (0.1 + 1.2) / 1.5 = 0.867, k=2 (0.2 + 1.4) / 1.75 = 0.914
     assert policy.choose_k(0.5) == 1
-    assert policy.pays([0.5], [1])  # batch 1: 1.5 tokens per 1.3 s beat 1 token per 1.0 s
+    assert policy.pays([0.5], [1])  # batch 1: the row's own choice (1.5 tokens per 1.3 s beat 1 per 1.0 s)
     assert not policy.pays([0.9] * 4, [2] * 4)  # batch 4: 4 * 2.71 tokens per 5.2 s < 4 per 1.0 s
 
 
@@ -41,6 +41,8 @@ def test_a_row_explores_before_it_stops_drafting():
     assert policy.choose_k(0.1) == 0
     assert policy.choose_k(0.1, tests=3) == 1 and policy.choose_k(0.1, tests=8) == 0
     assert policy.choose_k(0.95, tests=0) == 2  # exploring never lowers a choice
+    hopeless = AdaptivePolicy(Costs(target={1: (1.0, 2.5, 4.0)}, draft={1: 0.5}), k_max=2)
+    assert not hopeless.can_pay and hopeless.choose_k(0.5, tests=0) == 0  # nothing could pay: no exploring
 
 
 def test_acceptance_counts_tests_not_drafts():

@@ -94,8 +94,9 @@ class AdaptivePolicy:
     costs: Costs
     k_max: int
     by_batch: bool = True
-    # a row drafts at least one token until it has made this many acceptance tests: a row that never
-    # drafts never learns its acceptance, and the prior alone (1/2) would keep it at k = 0 for good
+    # a row drafts at least one token until it has made this many acceptance tests, where speculation
+    # could pay at all (at acceptance 1): a row that never drafts never learns its acceptance, and the
+    # prior alone (1/2) could keep it at k = 0 for good
     explore: int = 8
 
     def __post_init__(self) -> None:
@@ -106,13 +107,24 @@ class AdaptivePolicy:
         """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k); at
         least 1 while the row has made fewer than `explore` acceptance tests (`tests`)."""
         best = min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
-        return max(best, 1) if tests is not None and tests < self.explore else best
+        exploring = tests is not None and tests < self.explore and self.can_pay
+        return max(best, 1) if exploring else best
+
+    @property
+    def can_pay(self) -> bool:
+        """Whether some k > 0 beats plain decoding at batch size 1 when every draft is accepted; if not,
+        no acceptance makes speculation pay on these costs and nothing is worth exploring."""
+        plain = row_seconds_per_token(self.costs, 1.0, 0)
+        return any(row_seconds_per_token(self.costs, 1.0, k) < plain for k in range(1, self.k_max + 1))
 
     def pays(self, acceptances: list[float], ks: list[int]) -> bool:
-        """Whether a block with these rows' k beats plain decoding's tokens per second at this batch size."""
+        """Whether a block with these rows' k beats plain decoding's tokens per second at this batch size
+        (one row: its own choice at batch-1 costs already weighed that, exploring included)."""
         batch, width = len(ks), max(ks, default=0)
         if width == 0:
             return False
+        if batch == 1:
+            return True
         b = self.costs.at(batch)
         block = width * self.costs.draft[b] + self.costs.target[b][width]
         tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks))
