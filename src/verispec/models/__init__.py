@@ -123,6 +123,18 @@ DRAFTERS.add("self", (Param("layers", int, "integer >= 1, below the target's lay
 DRAFTERS.add("ngram", (Param("n", int, "integer n >= 1", lambda v: v >= 1),))
 
 
+_SAME_MAPS: dict[tuple[int, int], tuple[bool, object, object]] = {}  # (tokenizer ids) -> answer, pinned
+
+
+def _same_token_map(a, b) -> bool:
+    """Whether two tokenizers map the same strings to the same ids; remembered per pair in this process
+    (a 150k-entry vocabulary takes a third of a second to compare, on every `generate` call otherwise)."""
+    key = (id(a), id(b))
+    if key not in _SAME_MAPS:
+        _SAME_MAPS[key] = (a.get_vocab() == b.get_vocab(), a, b)  # holding a and b keeps their ids theirs
+    return _SAME_MAPS[key][0]
+
+
 def check_compatible(target, draft) -> None:
     """Refuse a draft whose vocabulary differs from the target's (size or token map)."""
     if draft.vocab_size != target.vocab_size:
@@ -132,7 +144,7 @@ def check_compatible(target, draft) -> None:
         )
     t_tok, d_tok = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
     if (t_tok is not None and d_tok is not None and t_tok is not d_tok
-            and t_tok.get_vocab() != d_tok.get_vocab()):
+            and not _same_token_map(t_tok, d_tok)):
         raise ValueError(
             f"draft '{draft.name}' and target '{target.name}' have the same vocabulary size but different "
             "token maps: speculative decoding needs one shared tokenizer"
