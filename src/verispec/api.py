@@ -203,10 +203,11 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
                          "(give a draft, or a lossless rule)")
     checked = [("max_new_tokens", max_new_tokens)]
     if k != AUTO_K:
-        checked.insert(0, ("k (draft tokens per block, or 'auto')", k))
+        checked.insert(0, ("k (draft tokens per block)", k))
     for name, value in checked:
         if not _is_int(value):
-            raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            also = " or 'auto'" if name.startswith("k ") else ""
+            raise TypeError(f"{name} must be an integer{also}, got {value!r} ({type(value).__name__})")
         if int(value) < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {int(value)}")
     for name, value in sampling.items():
