@@ -21,6 +21,17 @@ def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool 
     def bonus_law(p):
         return rule._bonus(torch.tensor(p)[None])[0].numpy()
 
+    steps: dict[tuple, tuple[float, np.ndarray]] = {}  # drafts x[:i+1] -> (accept x[i], residual after it)
+
+    def token_step(drafted: tuple, p_i: np.ndarray, q_i: np.ndarray) -> tuple[float, np.ndarray]:
+        """Acceptance probability of the last drafted token and the residual law after rejecting it;
+        the same for every draft sharing this prefix, so computed once per prefix (v^i, not v^k, calls)."""
+        if drafted not in steps:
+            p_t, q_t = torch.tensor(p_i), torch.tensor(q_i)
+            steps[drafted] = (rule.accept(p_t, q_t)[drafted[-1]].item(),
+                              rule.residual_after(p_t, q_t, torch.tensor(drafted[-1])).numpy())
+        return steps[drafted]
+
     for x in itertools.product(range(v), repeat=k):
         qs = [q_fn(ctx + x[:i]) for i in range(k)]
         weight = float(np.prod([qs[i][x[i]] for i in range(k)]))
@@ -43,9 +54,7 @@ def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool 
             continue
         reach = 1.0
         for i in range(k):  # token-wise: accept left to right
-            p_i, q_i = torch.tensor(ps[i]), torch.tensor(qs[i])
-            a = rule.accept(p_i, q_i)[x[i]].item()
-            res = rule.residual_after(p_i, q_i, torch.tensor(x[i])).numpy()
+            a, res = token_step(x[: i + 1], ps[i], qs[i])
             for tok in range(v):
                 key = x[:i] + (tok,)
                 out[key] = out.get(key, 0.0) + weight * reach * (1 - a) * res[tok]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec.cli import main
 from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.evaluation import load_results
@@ -77,10 +78,15 @@ def test_step_metrics_equal_offline_recomputation(pair, spec):
                                    rtol=0, atol=1e-9)
 
 
+def bench_args(out: Path, *extra: str) -> list[str]:
+    return ["bench", "--target", TARGET, "--draft", DRAFT, "--suite", "shakespeare", "--rules",
+            "lenience:l=0.5", "speccascade:min_p=0.1", "--limit", "3", "--seeds", "0", "1",
+            "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
+
+
 def bench_cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "verispec", "bench", "--target", TARGET, "--draft", DRAFT,
-            "--suite", "shakespeare", "--rules", "lenience:l=0.5", "speccascade:min_p=0.1", "--limit", "3",
-            "--seeds", "0", "1", "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra]
+    """The real `python -m verispec bench ...` (for the tests that kill it or interrupt it)."""
+    return [sys.executable, "-m", "verispec", *bench_args(out, *extra)]
 
 
 @pytest.mark.slow
@@ -92,10 +98,8 @@ def test_sweep_results_do_not_depend_on_the_batch_size(tmp_path):
     1e-5 per position, i.e. 1e-5 on a per-token mean and n * 1e-5 on log_ratio, a sum over n tokens.
     (A relative 1e-5 on log_ratio failed on another CPU: 0.1161186 vs 0.1161169, 1.7e-6 absolute.)"""
     results = {}
-    for size in (1, 4):
-        done = subprocess.run(bench_cmd(tmp_path / f"b{size}", "--batch-size", str(size), "--no-report"),
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr
+    for size in (1, 4):  # in-process: the same code as the subprocess, without its start-up and model load
+        assert main(bench_args(tmp_path / f"b{size}", "--batch-size", str(size), "--no-report")) == 0
         results[size] = {r["unit"]: r for r in read_rows(tmp_path / f"b{size}" / "results.jsonl")}
     assert results[1].keys() == results[4].keys()
     assert {r["batch_size"] for r in results[4].values()} == {4, 2}  # 6 (prompt, seed) rows: 4 + 2
@@ -116,12 +120,12 @@ def comparable(rows: list[dict]) -> dict:
 
 
 @pytest.mark.slow
-def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path):
-    """Batch size 1: every row decoded alone, so a resumed sweep must reproduce the rows exactly."""
+def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path, capsys):
+    """Batch size 1: every row decoded alone, so a resumed sweep must reproduce the rows exactly. The
+    uninterrupted sweep runs in-process; the killed and the resumed ones are real `verispec bench`s."""
     full = tmp_path / "full"
-    done = subprocess.run(bench_cmd(full, "--batch-size", "1"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "HTML report:" in done.stdout
+    assert main(bench_args(full, "--batch-size", "1")) == 0
+    assert "HTML report:" in capsys.readouterr().out
     expected = comparable(read_rows(full / "results.jsonl"))
     assert len(expected) == 3 * 2 * 5  # prompts x seeds x (plain, lossless, lenience, speccascade, honest)
 
@@ -182,9 +186,7 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_resume_finishes_it(tmp_path, sig, stat
     assert f"verispec: {word}" in err and "--resume" in err and "Traceback" not in err, err
     kept = read_rows(out / "results.jsonl")
     assert 2 <= len(kept) < 30
-    done = subprocess.run(bench_cmd(out, "--batch-size", "1", "--no-report", "--resume"), capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
+    assert main(bench_args(out, "--batch-size", "1", "--no-report", "--resume")) == 0  # in-process
     rows = read_rows(out / "results.jsonl")
     assert len(rows) == 30 and len({r["unit"] for r in rows}) == 30 and rows[: len(kept)] == kept
 
@@ -220,7 +222,7 @@ def test_sweep_refuses_to_overwrite_and_validates_rules(tmp_path):
 
 
 @pytest.mark.slow
-def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
+def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path, capsys):
     """`--reuse-from`: the rows of a narrower sweep are copied, not decoded again (plain excepted: the
     speed reference is re-timed with the new rows), and the result equals decoding everything here."""
     from dataclasses import replace
@@ -308,9 +310,9 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path):
     with pytest.raises(ValueError, match="own output"):
         run_sweep(wide, tmp_path / "b", resume=True, progress=False, reuse_from=tmp_path / "b")
     assert read_rows(tmp_path / "b" / "results.jsonl") == list(b_rows.values())
-    done = subprocess.run(bench_cmd(tmp_path / "f", "--reuse-from", str(tmp_path / "missing")),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "no results file" in done.stderr and not (tmp_path / "f").exists()
+    capsys.readouterr()
+    assert main(bench_args(tmp_path / "f", "--reuse-from", str(tmp_path / "missing"))) == 2
+    assert "no results file" in capsys.readouterr().err and not (tmp_path / "f").exists()
 
 
 def console_messages(html_path: Path, tmp_path: Path) -> tuple[str, list[str]]:

@@ -13,6 +13,7 @@ import torch
 
 from stats import chisquare_pvalue
 from verispec.api import generate
+from verispec.cli import main
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
 from verispec.models import load_drafter, load_model
 from verispec.rules import names, parse
@@ -214,7 +215,8 @@ def run_cli(*args):
                           timeout=300)
 
 
-def test_cli_run_text_and_json():
+def test_cli_run_text_and_json(capsys):
+    """JSON through the real `python -m verispec run`; the text output in-process (`cli.main`)."""
     out = run_cli("run", "--target", TARGET, "--draft", DRAFT, "--rule", "lenience:l=0.5",
                   "--prompt", "To be", "--max-new-tokens", "10", "--json")
     assert out.returncode == 0, out.stderr
@@ -222,8 +224,10 @@ def test_cli_run_text_and_json():
 
     data = json.loads(out.stdout)
     assert len(data["token_ids"]) == 10 and data["stats"]["rule"] == "lenience:l=0.5"
-    out = run_cli("run", "--target", TARGET, "--draft", DRAFT, "--prompt", "To be", "--max-new-tokens", "5")
-    assert out.returncode == 0 and "acceptance" in out.stdout
+    capsys.readouterr()
+    assert main(["run", "--target", TARGET, "--draft", DRAFT, "--prompt", "To be", "--max-new-tokens", "5"]) \
+        == 0
+    assert "acceptance" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -231,21 +235,23 @@ def test_cli_run_text_and_json():
     [
         (["--target", "/no/such/model"], "model not found"),
         (["--draft", "/no/such/draft"], "model not found"),
-        (["--k", "0"], "k (draft tokens per block)"),
+        (["--k", "0"], "k (draft tokens per block, or 'auto') must be an integer >= 1"),
         (["--prompt", ""], "empty prompt"),
         (["--rule", "lenience:l=0"], "0 < l <= 1"),
         (["--draft", "self:layers=99"], "self-draft needs"),
         (["--temperature", "-1"], "temperature"),
     ],
 )
-def test_cli_bad_input_is_clear_and_prints_nothing(args, message):
+def test_cli_bad_input_is_clear_and_prints_nothing(args, message, capsys):
+    """In-process (`cli.main`, the models already loaded): exit status 2, the message, nothing on stdout."""
     base = {"--target": TARGET, "--draft": DRAFT, "--prompt": "To be"}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
-    out = run_cli("run", *[x for kv in base.items() for x in kv], "--max-new-tokens", "4")
-    assert out.returncode == 2, (out.returncode, out.stderr)
-    assert out.stdout == ""
-    assert message in out.stderr, out.stderr
+    code = main(["run", *[x for kv in base.items() for x in kv], "--max-new-tokens", "4"])
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    assert out == ""
+    assert message in err, err
 
 
 def test_lean_backend_equals_transformers(pair):

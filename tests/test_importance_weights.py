@@ -19,15 +19,21 @@ from verispec.decode import BatchDecoder, DecodeConfig
 from verispec.models import ModelDrafter
 from verispec.rules import parse
 
-RUNS, K, LENGTH, PROMPT = 4000, 2, 3, [1]
+K, LENGTH, PROMPT = 2, 3, [1]
 Z_MAX = 4.0  # |estimate - truth| / its standard error: exceeded with probability ~6e-5 by chance
+# Rollouts per rule, sized by the power checks (the unweighted estimate and the wrong weight must give
+# |z| > Z_MAX): their expected |z| is d * sqrt(runs), with d = (mean - truth) / sd per rollout of the
+# unweighted estimate, the weaker of the two: d = 0.20 (budget) and 0.76 (lenience) on the toy pair.
+# 2000 and 1000 runs put the expected |z| at 9.1 and 24, so a miss (z below 4) needs a 5-sigma draw;
+# 4000 (the former size) only doubled the time.
+RUNS = {"budget:tv=0.1,ratio=2": 2000, "lenience:l=0.4": 1000}
 
 
 def rollouts(spec: str) -> list:
-    """RUNS generations of LENGTH tokens under `spec`, each row with its own seeded generator."""
+    """RUNS[spec] generations of LENGTH tokens under `spec`, each row with its own seeded generator."""
     target, draft = toy_pair()
     dec = BatchDecoder(target, ModelDrafter(draft), parse(spec), DecodeConfig(k=K, max_new_tokens=LENGTH))
-    for seed in range(RUNS):
+    for seed in range(RUNS[spec]):
         dec.add(PROMPT, torch.Generator().manual_seed(seed))
     gens = []
     while dec.active:

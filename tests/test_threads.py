@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from verispec import threads
+from verispec.cli import main
+from verispec.models import load_model
 
 
 def test_explicit_then_environment_then_default(monkeypatch):
@@ -54,8 +54,10 @@ def test_the_check_compares_against_one_thread(monkeypatch):
     assert threads.check_threads(2) is None
 
 
-def test_the_cli_refuses_a_bad_count_before_loading_anything():
-    done = subprocess.run([sys.executable, "-m", "verispec", "run", "--prompt", "x", "--threads", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "--threads must be a whole number of threads >= 1, got '0'" in done.stderr
+def test_the_cli_refuses_a_bad_count_before_loading_anything(capsys):
+    """In-process (no interpreter start-up): exit status 2, the message, and no model asked for."""
+    before = load_model.cache_info()
+    assert main(["run", "--prompt", "x", "--threads", "0"]) == 2
+    assert "--threads must be a whole number of threads >= 1, got '0'" in capsys.readouterr().err
+    after = load_model.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)  # load_model was never called
