@@ -235,7 +235,7 @@ def test_cli_run_text_and_json(capsys):
     [
         (["--target", "/no/such/model"], "model not found"),
         (["--draft", "/no/such/draft"], "model not found"),
-        (["--k", "0"], "k (draft tokens per block, or 'auto') must be an integer >= 1"),
+        (["--k", "0"], "k (draft tokens per block) must be an integer >= 1"),
         (["--prompt", ""], "empty prompt"),
         (["--rule", "lenience:l=0"], "0 < l <= 1"),
         (["--draft", "self:layers=99"], "self-draft needs"),
