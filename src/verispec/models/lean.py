@@ -471,6 +471,11 @@ class LeanBatchSession:
             self.cache.lengths[slot] = common
             feeds.append(seq[common:])
             slots.append(slot)
+        self.owner.calls += 1
+        if len(rows) == 1:  # one row: the batch-1 pass on its slot, without padding, gathers or index tensors
+            x = self.lean.hidden(feeds[0][None], _SlotView(self.cache, slots[0]))[0]  # [m, d]
+            self._cached[rows[0]] = tokens[0].to(torch.long).cpu().clone()
+            return [self.lean.logits(x[-n[0]:])]  # [n, V]
         order = sorted(range(len(rows)), key=slots.__getitem__)
         counts = torch.tensor([feeds[i].shape[0] for i in order])  # [B]
         width = int(counts.max())
@@ -481,7 +486,6 @@ class LeanBatchSession:
         # flat indices (b * m + j) of each row's last n_b real positions, rows in slot order
         ends = torch.arange(len(order)) * width + counts  # [B]
         keep = torch.cat([torch.arange(int(e) - int(w), int(e)) for e, w in zip(ends, wanted)])  # [sum n]
-        self.owner.calls += 1
         slot_ids = torch.tensor([slots[i] for i in order])  # [B], ascending
         logits = forward_batch(self.lean, padded, counts, slot_ids, self.cache, keep)  # [sum n, V]
         for row, seq in zip(rows, tokens):
