@@ -89,6 +89,10 @@ VERIFICATION_REPORT = {
         "certificate": CERTIFICATE,
         "acceptance_per_position": {"type": "array", "items": POSITION},
         "speculation": SPECULATION,
+        "tree": {"type": ["string", "null"], "description": "the draft shape of a tree-mode generation "
+                                                           "(tree:widths=..., drafts:n=...), else null; "
+                                                           "then drafted_tokens counts tree nodes and "
+                                                           "acceptance_per_position is per depth"},
     },
 }
 
