@@ -27,31 +27,10 @@ from verispec.rules import parse
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, Costs
 from verispec.tree_decode import TreeScorer, draft_tree, draft_trees
+from test_decode_toy import V, law_fn, one_thread, toy_pair  # noqa: F401 (one_thread: autouse)
 from verispec.trees import TreeWidths, block_law, parse_tree_rule, topk_tree
 
-V = 3
-RUNS = 2000
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def toy_pair():
-    target = TabularModel.random(V, order=2, seed=1, name="toy-target")
-    draft = TabularModel.random(V, order=1, seed=2, name="toy-draft")
-    return target, draft
-
-
-def law_fn(model: TabularModel, prompt: list[int]):
-    def fn(ctx: tuple[int, ...]) -> np.ndarray:
-        logits = model.context_logits(torch.tensor([prompt + list(ctx)]))[0].double()
-        return logits.softmax(-1).numpy()
-    return fn
+RUNS = 2000  # the toy pair, its exact laws and the one-thread fixture are test_decode_toy's
 
 
 def topk_stream_law(spec: str, target, draft, prompt: list[int], widths: tuple[int, ...],

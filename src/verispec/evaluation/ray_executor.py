@@ -37,9 +37,9 @@ from typing import Callable
 import torch
 
 from verispec import ray_cluster
-from verispec.api import as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
 from verispec.evaluation.store import ResultsFile
-from verispec.evaluation.units import backend_of, check_contexts, decode_rows, unit_key, warm_up, work_units
+from verispec.evaluation.units import (backend_of, check_contexts, decode_rows, load_pair, unit_key, warm_up,
+                                       work_units)
 from verispec.evaluation.units import progress as unit_progress
 from verispec.models.hf import proc_kib_field
 from verispec.ray_cluster import RayOptions
@@ -139,11 +139,7 @@ class SweepWorker:
     def load(self) -> dict:
         """Load the pair (once), encode the prompts, check them against the context, warm up."""
         if self.models is None:
-            spec = self.spec
-            check_device(spec.device)
-            target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
-            drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
-            prompts = [encode_prompt(target, item.prompt, self.suite.chat) for item in self.suite.items]
+            target, drafter, prompts = load_pair(self.spec, self.suite)
             try:
                 check_contexts(self.suite, prompts, target, drafter, self.max_new)
             except ValueError as err:

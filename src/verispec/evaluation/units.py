@@ -308,6 +308,16 @@ def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
     return decode_prompts(target, ids, generators, decode, drafter, config.rule)
 
 
+def load_pair(spec: SweepSpec, suite: Suite) -> tuple:
+    """The sweep's target and drafter on this machine, and the suite's prompts encoded by the target:
+    what each executor loads once (the local one in the `bench` process, each Ray worker in its actor)."""
+    check_device(spec.device)
+    target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+    drafter = resolve_drafter(spec.draft, target, spec.device, as_dtype(spec.draft_dtype))
+    prompts = [encode_prompt(target, item.prompt, suite.chat) for item in suite.items]
+    return target, drafter, prompts
+
+
 class LocalExecutor:
     """The local executor: loads the pair in this process and decodes the work units here. The same
     interface as the Ray executor's `RayPool` (a context manager with `backend` and `run_units`), so
@@ -317,11 +327,8 @@ class LocalExecutor:
         self.spec, self.suite, self.max_new = spec, suite, max_new
 
     def __enter__(self) -> LocalExecutor:
-        spec = self.spec
-        self.target = resolve_target(spec.target, spec.device, as_dtype(spec.dtype))
+        self.target, self.drafter, self.prompts = load_pair(self.spec, self.suite)
         self.backend = backend_of(self.target)
-        self.drafter = resolve_drafter(spec.draft, self.target, spec.device, as_dtype(spec.draft_dtype))
-        self.prompts = [encode_prompt(self.target, item.prompt, self.suite.chat) for item in self.suite.items]
         check_contexts(self.suite, self.prompts, self.target, self.drafter, self.max_new)
         return self
 

@@ -88,6 +88,20 @@ class BatchSession(Protocol):
     def release(self, row: int) -> None: ...
 
 
+def named_token_ids(tokenizer, names: Sequence[str]) -> list[int]:
+    """The ids of vocabulary strings (e.g. Qwen's "<|endoftext|>", a stop token its GGUF leaves out of the
+    generation config); ValueError naming any that the vocabulary lacks, or the missing tokenizer."""
+    if not names:
+        return []
+    if tokenizer is None:
+        raise ValueError(f"stop tokens {list(names)} need a tokenizer")
+    vocab = tokenizer.get_vocab()
+    unknown = [t for t in names if t not in vocab]
+    if unknown:
+        raise ValueError(f"stop tokens {unknown} are not in the vocabulary")
+    return [int(vocab[t]) for t in names]
+
+
 def check_batch_request(rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> None:
     """The checks every `BatchSession.logits_for` makes: clear ValueErrors on bad requests."""
     if len(rows) == 0:

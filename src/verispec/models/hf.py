@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from verispec.models import lean
-from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession
+from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession, named_token_ids
 from verispec.models.lean import SHARE_ABOVE, LeanBatchSession, LeanLlama, LeanSession
 
 log = logging.getLogger(__name__)
@@ -216,15 +216,7 @@ def stop_token_ids(model, tokenizer, stop_tokens: tuple[str, ...] = ()) -> froze
     ids = _ids(getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
     ids += _ids(getattr(model.config, "eos_token_id", None))
     ids += _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    if stop_tokens:
-        if tokenizer is None:
-            raise ValueError(f"stop tokens {list(stop_tokens)} need a tokenizer")
-        vocab = tokenizer.get_vocab()
-        unknown = [t for t in stop_tokens if t not in vocab]
-        if unknown:
-            raise ValueError(f"stop tokens {unknown} are not in the vocabulary")
-        ids += [int(vocab[t]) for t in stop_tokens]
-    return frozenset(ids)
+    return frozenset(ids + named_token_ids(tokenizer, stop_tokens))
 
 
 def load_hf(path: str | Path, *, gguf_file: str | None = None, name: str | None = None,

@@ -46,7 +46,7 @@ import transformers
 from torch import Tensor
 from transformers import AutoTokenizer
 
-from verispec.models.base import check_batch_request
+from verispec.models.base import check_batch_request, named_token_ids
 from verispec.threads import resolve_threads
 
 BACKEND = "llamacpp"
@@ -225,15 +225,7 @@ def stop_token_ids(tokenizer, eos_ids: Sequence[int | None], stop_tokens: tuple[
     """Every id that ends a generation: the given eos ids and the named `stop_tokens` (vocabulary
     strings, e.g. Qwen's "<|endoftext|>"), as `verispec.models.hf.stop_token_ids` computes them."""
     ids = [int(i) for i in eos_ids if i is not None and int(i) >= 0]
-    if stop_tokens:
-        if tokenizer is None:
-            raise ValueError(f"stop tokens {list(stop_tokens)} need a tokenizer")
-        vocab = tokenizer.get_vocab()
-        unknown = [t for t in stop_tokens if t not in vocab]
-        if unknown:
-            raise ValueError(f"stop tokens {unknown} are not in the vocabulary")
-        ids += [int(vocab[t]) for t in stop_tokens]
-    return frozenset(ids)
+    return frozenset(ids + named_token_ids(tokenizer, stop_tokens))
 
 
 class LlamaCppBatchSession:
