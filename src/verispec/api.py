@@ -253,6 +253,17 @@ def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShap
     return None
 
 
+def parse_draft_shape(text: str) -> DraftShape:
+    """A draft shape from any of its spellings, as `bench --tree`, `serve --tree` and a served request's
+    `verification.tree` take it: `tree:widths=4,2,2,1` / `drafts:n=3` as given, and the run command's
+    short forms `widths=4,2,2,1`, `4,2,2,1` and `n=3` completed. ValueError for a malformed shape."""
+    if not isinstance(text, str):
+        raise TypeError(f"a draft shape must be a str (e.g. 'tree:widths=4,2,2,1' or 'drafts:n=3'), "
+                        f"got {type(text).__name__}")
+    short = text.strip()
+    return draft_shape(drafts=short) if short.startswith(("n=", "drafts:")) else draft_shape(tree=short)
+
+
 def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> list[int]:
     """Text -> token ids; instruct models (a tokenizer with a chat template) get it unless chat=False."""
     if not isinstance(prompt, str):

@@ -10,7 +10,7 @@ import sys
 import threading
 
 from verispec import defaults, threads
-from verispec.api import as_dtype, check_device, draft_shape, generate, resolve_target
+from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import write_report
 from verispec.evaluation.store import SweepLockedError
@@ -124,9 +124,7 @@ def _terminate(signum, frame) -> None:
 def shape_spec(text: str) -> str:
     """A bench --tree value as a draft shape spec: tree:widths=4,2,2,1 / drafts:n=3 as given, and the
     run command's short forms widths=4,2,2,1 / n=3 completed."""
-    short = text.strip()
-    shape = draft_shape(drafts=short) if short.startswith(("n=", "drafts:")) else draft_shape(tree=short)
-    return shape.spec
+    return parse_draft_shape(text).spec
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -187,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_batch=args.max_batch, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
-        shutdown_grace=args.shutdown_grace,
+        shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
     )
     if not args.ray:
         for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
@@ -360,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--rule", default="lossless",
                      help="the server's default rule (a request may name its own)")
     srv.add_argument("--k", type=int, default=4, help="default draft tokens per block")
+    srv.add_argument("--tree", default=None, metavar="SHAPE",
+                     help="the default draft shape, e.g. tree:widths=4,2,2,1 or drafts:n=3 (--rule is then a "
+                          "tree rule); a request may name its own in verification.tree, or 'none' for chains")
+    srv.add_argument("--max-tree-nodes", type=int, default=64,
+                     help="the most drafted nodes a tree block may have (default 64)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--allow-rules", nargs="+", default=None, metavar="RULE",

@@ -34,9 +34,9 @@ from verispec.rules import Rule, parse
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 from verispec.speculation import AdaptivePolicy, RowAcceptance
-from verispec.tree_decode import (TRAVERSAL, TreeScorer, TreeVerification, draft_trees, shape_depth,
+from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, refuse_tree_rule, shape_depth,
                                   tree_verification, verify_block)
-from verispec.trees import DraftShape, TreeRule, check_depth, parse_shape
+from verispec.trees import DraftShape, check_depth, parse_shape
 
 
 @dataclass(frozen=True)
@@ -462,11 +462,8 @@ class BatchDecoder:
         shape = self.config.tree
         if shape is not None:  # tree mode: every check before any forward pass
             rule = tree_verification(rule, shape, drafter, target.vocab_size)
-        elif isinstance(rule, (TreeRule, TreeVerification)) or (isinstance(rule, str)
-                                                                and rule.strip() == TRAVERSAL):
-            spec = rule if isinstance(rule, str) else rule.spec
-            raise ValueError(f"'{spec}' is a tree rule: give a tree draft (DecodeConfig.tree, e.g. "
-                             "tree:widths=4,2,2,1 or drafts:n=3), or a chain rule")
+        else:
+            refuse_tree_rule(rule)
         self.plain = drafter is None
         rule = parse(rule) if isinstance(rule, str) else rule
         if self.plain and rule is not None and not rule.lossless:

@@ -37,7 +37,8 @@ from verispec.trees import (DraftShape, MultiDraft, TokenTree, TreeRule, TreeVer
                             traversal_verify, verify_tree)
 
 __all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tree", "draft_trees",
-           "shape_depth", "tree_verification", "tree_verification_rule", "verify_block"]
+           "refuse_tree_rule", "shape_depth", "shape_nodes", "tree_verification", "tree_verification_rule",
+           "verify_block"]
 
 TRAVERSAL = "traversal"
 
@@ -54,6 +55,13 @@ def shape_depth(shape: DraftShape, k: int) -> int:
     if isinstance(shape, TreeWidths):
         return shape.depth
     return shape.depth if shape.depth is not None else k
+
+
+def shape_nodes(shape: DraftShape, k: int) -> int:
+    """The drafted nodes of a full block: `TreeWidths.nodes`, or n chains x their depth (kept unmerged)."""
+    if isinstance(shape, TreeWidths):
+        return shape.nodes
+    return shape.n * shape_depth(shape, k)
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,17 @@ def tree_verification_rule(rule, shape: DraftShape) -> TreeVerification:
                          "per-token law is known given the prefix only on top-k trees; use tree:widths=... "
                          "or a lossless rule (lossless, traversal)")
     return verification
+
+
+def refuse_tree_rule(rule) -> None:
+    """ValueError if `rule` (a spec str or a rule object) is a tree rule, `traversal`, a `TreeRule` or a
+    `TreeVerification`, given for chain drafts (no tree shape)."""
+    tree_only = isinstance(rule, str) and rule.strip() == TRAVERSAL
+    if tree_only or isinstance(rule, (TreeRule, TreeVerification)):
+        spec = rule if isinstance(rule, str) else rule.spec
+        raise ValueError(f"'{spec.strip()}' is a tree rule: give a tree draft (e.g. tree:widths=4,2,2,1 or "
+                         "drafts:n=3: DecodeConfig.tree, generate(tree=...), --tree, or a served request's "
+                         "verification.tree), or a chain rule")
 
 
 def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> TreeVerification:

@@ -32,13 +32,17 @@ from starlette.exceptions import HTTPException
 
 from verispec import defaults
 from verispec.version import __version__ as VERSION
-from verispec.api import (as_dtype, check_device, encode_messages, encode_prompt, resolve_drafter,
-                          resolve_target)
-from verispec.decode import Generation
+from verispec.api import (as_dtype, check_device, encode_messages, encode_prompt, parse_draft_shape,
+                          resolve_drafter, resolve_target)
+from verispec.decode import DecodeConfig, Generation, check_tree_room
 from verispec.jsonsafe import json_safe
 from verispec.rules import Rule, parse
 from verispec.sampling import SamplingConfig
-from verispec.serving.config import MAX_SEED, APIError, ServeConfig, certifiable_tv, check_policy, check_port
+from verispec.serving.config import (MAX_SEED, APIError, ServeConfig, certifiable_tv, check_policy,
+                                     check_port, check_tree_nodes)
+from verispec.tree_decode import (TreeVerification, refuse_tree_rule, shape_depth, tree_verification,
+                                  tree_verification_rule)
+from verispec.trees import DraftShape, TreeWidths
 from verispec.serving.engine import Engine, Job, Params, QueueFull
 from verispec.logprobs import token_logprobs
 from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
@@ -127,6 +131,17 @@ def _is_off(value, off: tuple) -> bool:
 
 
 
+NO_TREE = "none"  # verification.tree: chain drafts, on a server whose default (--tree) is a tree
+
+
+def pair_rule(spec: str, shape: DraftShape | None) -> Rule | TreeVerification:
+    """A rule spec for a draft shape: a chain rule for chain drafts (shape None; `traversal` is refused),
+    else the tree rule paired with the shape (`tree_verification_rule`). ValueError / KeyError if bad."""
+    if shape is None:
+        refuse_tree_rule(spec)
+        return parse(spec)
+    return tree_verification_rule(spec, shape)
+
 
 class Server:
     """The models, the engine, the metrics and the request handling of one `verispec serve`."""
@@ -136,7 +151,11 @@ class Server:
         if target is None:
             check_device(config.device)  # before loading anything: `cuda` on a CPU-only torch is refused
         plain = drafter is None if target is not None else config.draft in (None, defaults.NO_DRAFT)
-        self.default_rule = None if plain else parse(config.rule)  # a bad --rule fails before the models load
+        if plain and config.tree is not None:
+            raise ValueError(f"--tree {config.tree} needs a draft model; this server decodes plainly")
+        self.default_shape = None if plain else config.draft_shape  # None: chain drafts
+        # a bad --rule fails before the models load
+        self.default_rule = None if plain else pair_rule(config.rule, self.default_shape)
         try:
             check_policy(self.default_rule, config)
         except APIError as err:
@@ -150,6 +169,12 @@ class Server:
         self.plain = drafter is None
         if self.plain:
             self.default_rule = None
+        elif self.default_shape is not None:  # what needs the models: the vocabulary, the context
+            try:
+                tree_verification(self.default_rule, self.default_shape, self.drafter, self.target.vocab_size)
+                check_tree_room(self.target, 1, DecodeConfig(k=config.k, tree=self.default_shape))
+            except ValueError as err:
+                raise ValueError(f"--tree {self.default_shape.spec}: {err}") from None
         self.model_name = config.served_model_name or getattr(self.target, "name", None) or config.target
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
@@ -157,37 +182,103 @@ class Server:
         self.engine = Engine(self.target, self.drafter, config, self.metrics)
 
     # -- parsing ------------------------------------------------------------------------------------
-    def parse_rule(self, body: dict) -> tuple[Rule | None, int]:
+    def parse_tree(self, ver: dict) -> DraftShape | None:
+        """The request's draft shape: `verification.tree` (tree:widths=..., drafts:n=..., or "none" for
+        chain drafts), else the server's --tree (None: chain drafts)."""
+        tree = ver.get("tree")
+        if tree is None:
+            return self.default_shape
+        if not isinstance(tree, str):
+            raise APIError(400, "'verification.tree' must be a draft shape string such as "
+                                f"'tree:widths=4,2,2,1' or 'drafts:n=3' (or '{NO_TREE}': chain drafts), "
+                                f"got {tree!r}", "verification.tree", "invalid_tree")
+        if tree.strip() == NO_TREE:
+            return None
+        try:
+            return parse_draft_shape(tree)
+        except ValueError as err:
+            raise APIError(400, f"bad draft shape '{tree[:200]}': {err}", "verification.tree",
+                           "invalid_tree") from None
+
+    def parse_rule(self, body: dict) -> tuple[Rule | TreeVerification | None, int, DraftShape | None]:
+        """The request's rule (None: plain decoding), k and draft shape (None: chain drafts), checked
+        without the prompt (the tree's room in the context is `parse_request`'s)."""
         ver = body.get("verification")
         if ver is None:
             ver = {}
         if not isinstance(ver, dict):
             raise APIError(400, "'verification' must be an object like {\"rule\": \"lossless\", \"k\": 4}",
                            "verification")
-        unknown = set(ver) - {"rule", "k"}
+        unknown = set(ver) - {"rule", "k", "tree"}
         if unknown:
             raise APIError(400, f"unknown 'verification' fields: {', '.join(sorted(unknown))} "
-                                "(known: rule, k)", "verification")
+                                "(known: rule, k, tree)", "verification")
         k = _number(ver, "k", int, 1, self.config.max_k, default=self.config.k)
+        shape = self.parse_tree(ver)
         spec = ver.get("rule")
-        if spec is None:
-            return self.default_rule, k
-        if not isinstance(spec, str):
+        if spec is not None and not isinstance(spec, str):
             raise APIError(400, f"'verification.rule' must be a rule spec string, got {spec!r}",
                            "verification.rule", "invalid_rule")
         if self.plain:
-            if spec in ("lossless", "plain"):
-                return None, k
+            if shape is not None:
+                raise APIError(400, f"this server runs plain decoding (--draft none): no draft tree applies, "
+                                    f"got '{shape.spec}'", "verification.tree", "invalid_tree")
+            if spec is None or spec in ("lossless", "plain"):
+                return None, k, None
             raise APIError(400, "this server runs plain decoding (--draft none): no verification rule "
                                 f"applies, got '{spec}'", "verification.rule", "rule_not_allowed")
+        if shape is not None and ver.get("k") is not None and (isinstance(shape, TreeWidths)
+                                                               or shape.depth is not None):
+            raise APIError(400, f"'verification.k' sets the length of chain drafts (and of drafts:n=... "
+                                f"chains without a depth); the draft shape '{shape.spec}' has its own depth "
+                                f"({shape_depth(shape, k)}): leave k out", "verification.k", "invalid_tree")
+        if spec is None and shape == self.default_shape:
+            rule = self.default_rule
+        else:
+            rule = self.request_rule(spec, shape)
+        check_policy(rule, self.config)
+        return rule, k, shape
+
+    def check_tree(self, rule: TreeVerification, shape: DraftShape, k: int, prompt_len: int,
+                   logprobs: int | None) -> None:
+        """APIError (400) for a tree request the decoder would refuse (`tree_verification`: a model
+        drafter, widths within the vocabulary; `check_tree_room`: the depth within the context left after
+        the prompt), one over --max-tree-nodes, and top log-probabilities under a lossy tree rule."""
         try:
-            rule = parse(spec)
+            tree_verification(rule, shape, self.drafter, self.target.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), "verification.tree", "invalid_tree") from None
+        try:
+            check_tree_room(self.target, prompt_len, DecodeConfig(k=k, tree=shape))
+        except ValueError as err:
+            raise APIError(400, str(err), "verification.tree", "context_length_exceeded") from None
+        try:
+            check_tree_nodes(shape, k, self.config.max_tree_nodes, "the draft shape")
+        except ValueError as err:
+            raise APIError(400, str(err), "verification.tree", "invalid_tree") from None
+        if logprobs and not rule.lossless:
+            raise APIError(400, f"top log-probabilities under the behaviour law of the lossy tree rule "
+                                f"'{rule.spec}' are not recorded (its per-token laws are kept only at the "
+                                "drawn tokens, docs/design.md 'Tree decoding'); ask for 0 top alternatives "
+                                "(each token's behaviour_logprob is exact) or use a lossless rule",
+                           "logprobs", "unsupported")
+
+    def request_rule(self, spec: str | None, shape: DraftShape | None) -> Rule | TreeVerification:
+        """`verification.rule` (None: the server's --rule) for the request's draft shape; APIError (400)."""
+        default = spec is None
+        spec = self.config.rule if default else spec
+        try:
+            return pair_rule(spec, shape)
         except (ValueError, KeyError, RecursionError) as err:  # RecursionError: a spec nested too deeply
             why = err if not isinstance(err, RecursionError) else "nested too deeply"
-            raise APIError(400, f"bad rule spec '{spec[:200]}': {why}", "verification.rule",
-                           "invalid_rule") from None
-        check_policy(rule, self.config)
-        return rule, k
+            drafts = f"the draft shape '{shape.spec}'" if shape is not None else "chain drafts"
+            if default:
+                message = (f"this server's default rule '{spec}' (--rule) does not apply to {drafts}: {why}; "
+                           "name a rule in 'verification.rule'")
+            else:
+                where = f" for {drafts}" if shape is not None else ""
+                message = f"bad rule spec '{spec[:200]}'{where}: {why}"
+            raise APIError(400, message, "verification.rule", "invalid_rule") from None
 
     def encode(self, body: dict, chat: bool) -> list[int]:
         """The prompt's token ids ('messages' for chat, else 'prompt'); APIError (400) if unusable."""
@@ -307,7 +398,9 @@ class Server:
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise APIError(400, "'ignore_eos' must be true or false", "ignore_eos")
-        rule, k = self.parse_rule(body)
+        rule, k, shape = self.parse_rule(body)
+        if shape is not None:
+            self.check_tree(rule, shape, k, len(prompt_ids), logprobs)
         greedy_refused = not self.config.allow_greedy_sampling and temperature > 0
         if rule is not None and rule.name == "greedy" and greedy_refused:
             raise APIError(400, f"rule 'greedy' returns the target's argmax whatever the temperature, so it "
@@ -316,8 +409,9 @@ class Server:
                            "verification.rule", "rule_not_allowed")
         warnings = self.check_response_tv(rule, max_tokens)
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
-                      seed=seed, stop=stop, stream=stream, model=self.model_name, ignore_eos=ignore_eos,
-                      logprobs=logprobs, include_usage=include_usage, warnings=warnings, n=n, echo=echo)
+                      tree=shape, seed=seed, stop=stop, stream=stream, model=self.model_name,
+                      ignore_eos=ignore_eos, logprobs=logprobs, include_usage=include_usage,
+                      warnings=warnings, n=n, echo=echo)
 
     def parse_logprobs(self, body: dict, chat: bool) -> int | None:
         """None (no log-probabilities), or how many top alternatives each token carries. Completions:

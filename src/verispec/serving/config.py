@@ -9,7 +9,10 @@ import math
 from dataclasses import dataclass
 
 from verispec import defaults
+from verispec.api import parse_draft_shape
 from verispec.rules import Rule
+from verispec.tree_decode import shape_nodes, tree_verification_rule
+from verispec.trees import DraftShape
 
 MAX_SEED = 2**63 - 1
 
@@ -17,7 +20,7 @@ MAX_SEED = 2**63 - 1
 FLAGS = {"k": "--k", "max_k": "max_k", "max_queue": "--max-queue", "max_batch": "--max-batch",
          "max_tokens_limit": "--max-tokens-limit", "default_max_tokens": "--default-max-tokens",
          "max_tv_per_token": "--max-tv-per-token", "max_tv_per_response": "--max-tv-per-response",
-         "shutdown_grace": "--shutdown-grace", "max_n": "--max-n"}
+         "shutdown_grace": "--shutdown-grace", "max_n": "--max-n", "max_tree_nodes": "--max-tree-nodes"}
 
 
 def _int(value) -> bool:
@@ -49,10 +52,14 @@ class ServeConfig:
     draft_dtype: str = "float32"
     served_model_name: str | None = None  # default: the target's name
     shutdown_grace: float = 10.0  # seconds decoding rows get to finish after SIGTERM; then 503 shutting_down
+    # the default draft shape (`--tree`: tree:widths=4,2,2,1 or drafts:n=3, any spelling `bench --tree`
+    # takes; kept as its canonical spec); None: chain drafts of k tokens. `rule` is then a tree rule.
+    tree: str | None = None
+    max_tree_nodes: int = 64  # the most drafted nodes a tree block may have (a request's or --tree's)
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
-                          ("max_n", 1)):
+                          ("max_n", 1), ("max_tree_nodes", 1)):
             value = getattr(self, name)
             if not _int(value) or value < low:
                 raise ValueError(f"{FLAGS[name]} must be an integer >= {low}, got {value!r}")
@@ -72,6 +79,39 @@ class ServeConfig:
             raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {g!r}")
         if self.allow_rules is not None and not self.allow_rules:
             raise ValueError("--allow-rules needs at least one rule name, family or spec")
+        if self.tree is not None:
+            self._check_tree()
+
+    def _check_tree(self) -> None:
+        """--tree: a well-formed shape, a drafter, a tree rule as --rule, at most --max-tree-nodes nodes
+        (what needs the models, a width above the vocabulary or a depth over the context, is checked by
+        the server once they load). Keeps the shape's canonical spec."""
+        try:
+            shape = parse_draft_shape(self.tree)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--tree: {err}") from None
+        object.__setattr__(self, "tree", shape.spec)
+        if self.draft in (None, defaults.NO_DRAFT):
+            raise ValueError(f"--tree {shape.spec} needs a draft model; --draft none serves plain decoding")
+        try:
+            tree_verification_rule(self.rule, shape)
+        except ValueError as err:
+            raise ValueError(f"--rule '{self.rule}' with --tree {shape.spec}: {err}") from None
+        check_tree_nodes(shape, self.k, self.max_tree_nodes, "--tree")
+
+    @property
+    def draft_shape(self) -> DraftShape | None:
+        """The default draft shape (`tree`), parsed; None: chain drafts."""
+        return None if self.tree is None else parse_draft_shape(self.tree)
+
+
+def check_tree_nodes(shape: DraftShape, k: int, limit: int, where: str) -> None:
+    """ValueError unless a full block of `shape` (k: the depth of drafts:n without one) drafts at most
+    `limit` nodes (--max-tree-nodes): a tree's target pass grows with its nodes."""
+    nodes = shape_nodes(shape, k)
+    if nodes > limit:
+        raise ValueError(f"{where} {shape.spec} drafts {nodes} nodes per block, more than this server's "
+                         f"--max-tree-nodes {limit}: use fewer or narrower levels (or fewer drafts)")
 
 
 def check_port(port) -> int:

@@ -1,7 +1,8 @@
 """The continuous-batching engine of `verispec serve` (README.md, 'Serving').
 
-One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule and one sampling
-setting, so requests are grouped by (rule, sampling settings): one decoder per group, k per row; the
+One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule, one draft shape
+(chain, or a tree: `DecodeConfig.tree`) and one sampling setting, so requests are grouped by (rule,
+draft shape, sampling settings): one decoder per group, k per row; the
 engine steps the non-empty groups in turn (one block each), so requests join and leave between blocks.
 Each request draws from its own `torch.Generator` seeded by its `seed`, so its output is what it would
 be alone (the batch-independence contract of `BatchDecoder`, up to float rounding of batched forward
@@ -38,6 +39,8 @@ from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
 from verispec.serving.config import APIError, ServeConfig, shutting_down
 from verispec.serving.metrics import Metrics
+from verispec.tree_decode import TreeVerification
+from verispec.trees import DraftShape
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class Params:
     """A validated request."""
 
     prompt_ids: list[int]
-    rule: Rule | None
+    rule: Rule | TreeVerification | None  # a tree rule paired with `tree` for tree drafts
     k: int
     max_tokens: int
     sampling: SamplingConfig
@@ -61,6 +64,7 @@ class Params:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False  # completions: the prompt comes first in the text (and, with logprobs, its entries)
     warnings: list[str] = field(default_factory=list)  # returned with the response
+    tree: DraftShape | None = None  # the draft shape (tree:widths=..., drafts:n=...); None: chain drafts
 
 
 class QueueFull(Exception):
@@ -87,7 +91,8 @@ class Job:
 
 class Engine:
     """One thread that owns the models: admits queued requests between blocks, steps every non-empty
-    (rule, sampling) group's `BatchDecoder` in turn, streams new text, delivers finished generations."""
+    (rule, draft shape, sampling) group's `BatchDecoder` in turn, streams new text, delivers finished
+    generations."""
 
     def __init__(self, target, drafter, config: ServeConfig, metrics: Metrics):
         self.target, self.drafter, self.config, self.metrics = target, drafter, config, metrics
@@ -235,7 +240,7 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         p = job.params
-        key = (p.rule.spec if p.rule is not None else "plain", p.sampling)
+        key = (p.rule.spec if p.rule is not None else "plain", p.tree, p.sampling)
         if p.echo and (p.logprobs is not None or p.max_tokens == 0):
             try:  # a failure here fails this request alone (500), never the engine
                 if p.logprobs is not None:  # one target pass over the prompt, on this thread
@@ -257,11 +262,12 @@ class Engine:
             if dec is None:
                 drafter = None if self.plain else copy.copy(self.drafter)  # its own batch state
                 dec = BatchDecoder(self.target, drafter, p.rule or "lossless",
-                                   DecodeConfig(k=self.config.k, sampling=p.sampling))
+                                   DecodeConfig(k=self.config.k, sampling=p.sampling, tree=p.tree))
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
-                                  keep_probs=bool(p.logprobs))  # the target's rows, for top_logprobs
+                                  keep_probs=bool(p.logprobs),  # the target's rows, for top_logprobs
+                                  tree=p.tree)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
             self.running -= 1
@@ -359,7 +365,9 @@ class Engine:
             text, how = text[:stop_at], "stop"
             returned = tokens_through_stop(self.target.decode, list(gen.token_ids), job.params.stop)
         finish = {"eos": "stop", "stop": "stop", "length": "length"}.get(how, how)
-        stats = gen.stats(max_new_tokens=job.params.max_tokens, k=None if self.plain else job.params.k)
+        # a tree's acceptance_per_position runs to its depth (as `verispec.generate`'s), a chain's to k
+        k = None if self.plain or job.params.tree is not None else job.params.k
+        stats = gen.stats(max_new_tokens=job.params.max_tokens, k=k)
         report = stats["verification"]  # every token decoded, those past a stop string included
         if how == "stop":
             report["finish"] = "stop"  # not "cancelled": the decoder's row was ended by the stop string

@@ -17,7 +17,9 @@ class Metrics:
 
     Labels: `model_name` (the served model, as vLLM's) on the request and token counters, and `rule` too
     on the speculative-decoding counters, so a server mixing lossless and lossy requests does not blend
-    their acceptance. vLLM's per-position acceptance rate is
+    their acceptance; a tree row's `rule` label is the rule then its draft shape, e.g. `lossless
+    tree:widths=3,2,1` (its positions are depths and its drafts tree nodes). vLLM's per-position
+    acceptance rate is
     `num_accepted_tokens_per_pos{position=i} / num_drafts` (accepted at position i per draft)."""
 
     def __init__(self, k: int, model_name: str = ""):
@@ -60,6 +62,8 @@ class Metrics:
         """One finished request; `returned`: its response's tokens (fewer than decoded after a stop
         string; the speculative counters count every decoded one)."""
         rule, model = report["rule"], self.model_name
+        if report.get("tree") is not None:  # tree and chain acceptance are not blended under one label
+            rule = f"{rule} {report['tree']}"
         self.num_drafts.labels(model, rule).inc(sum(1 for b in gen.blocks if b.proposed > 0))
         self.num_draft_tokens.labels(model, rule).inc(report["drafted_tokens"])
         self.num_accepted.labels(model, rule).inc(report["accepted_tokens"])
