@@ -22,7 +22,9 @@ from test_serve import PROMPT, Running, same_report  # noqa: E402
 
 import verispec  # noqa: E402
 from verispec.cli import main  # noqa: E402
+from verispec.decode import DecodeConfig  # noqa: E402
 from verispec.jsonsafe import json_safe  # noqa: E402
+from verispec.sampling import SamplingConfig  # noqa: E402
 from verispec.serving.app import Server  # noqa: E402
 from verispec.serving.config import ServeConfig  # noqa: E402
 
@@ -81,6 +83,17 @@ def test_serve_tree_setting_is_kept_as_its_spec():
     assert ServeConfig(tree="3,2,1").tree == "tree:widths=3,2,1"
     assert ServeConfig(tree="n=2", rule="traversal").tree == "drafts:n=2,replacement=1"
     assert ServeConfig().tree is None and ServeConfig().draft_shape is None
+
+
+def test_distinct_drafts_at_temperature_0_are_refused_before_decoding():
+    """At temperature 0 the processed draft is one-hot: n > 1 distinct first tokens cannot be drawn (the
+    block would fail mid-decoding; the server would answer 500 for the whole group)."""
+    greedy = SamplingConfig(temperature=0)
+    with pytest.raises(ValueError, match="at temperature 0 the processed draft is one-hot"):
+        DecodeConfig(tree="drafts:n=2,replacement=0", sampling=greedy)
+    for ok in ("drafts:n=2", "drafts:n=1,replacement=0"):
+        assert DecodeConfig(tree=ok, sampling=greedy).tree.n in (1, 2)
+    assert DecodeConfig(tree="drafts:n=2,replacement=0").tree.replacement == 0  # sampled: runtime support
 
 
 # -- a real server ----------------------------------------------------------------------------------
@@ -162,6 +175,23 @@ def test_a_tree_row_streams(srv):
     assert all("verification" not in c.model_extra for c in chunks[:-1])
 
 
+@pytest.mark.slow
+def test_tree_rows_carry_their_exact_per_token_record(srv):
+    """logprobs of a tree row are the decode loop's record, as for chains: the behaviour log-probs (the
+    exact per-step law of the tree rule) sum to the report's log_ratio against the target's."""
+    verification = {"tree": "tree:widths=2,2", "rule": "lenience:l=0.5"}
+    body = {"prompt": PROMPT, "max_tokens": 16, "seed": 9, "logprobs": 0, "verification": verification}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+    out, _ = local(seed=9, max_tokens=16, tree="2,2", rule="lenience:l=0.5")
+    steps, lp = out.generation.steps, r["choices"][0]["logprobs"]
+    assert r["token_ids"] == out.token_ids and lp["token_roles"] == steps["role"]
+    assert lp["behaviour_logprobs"] == pytest.approx(steps["log_law"], rel=1e-4, abs=1e-4)
+    assert lp["log_importance_weight"] == pytest.approx(-r["verification"]["log_ratio"], abs=1e-9)
+    lossless = {**body, "logprobs": 2, "verification": {"tree": "tree:widths=2,2"}}
+    lp = httpx.post(srv.url + "/v1/completions", json=lossless, timeout=60).json()["choices"][0]["logprobs"]
+    assert lp["behaviour_logprobs"] == lp["token_logprobs"] and len(lp["top_behaviour_logprobs"][0]) == 2
+
+
 BAD = [  # (verification, other fields, status-400 param, words of the message)
     ({"tree": "tree:widths=3,x"}, {}, "verification.tree", "tree widths must be integers >= 1"),
     ({"tree": "tree:depth=3"}, {}, "verification.tree", "draft shape 'tree' takes one parameter"),
@@ -177,11 +207,14 @@ BAD = [  # (verification, other fields, status-400 param, words of the message)
     ({"tree": "drafts:n=2,depth=2", "k": 3}, {}, "verification.k", "has its own depth (2)"),
     ({"tree": "tree:widths=2", "k": "auto"}, {}, "k", "'k' must be an integer"),  # no adaptive k here
     ({"tree": "tree:widths=8,8"}, {}, "verification.tree", "72 nodes per block"),
+    ({"tree": "drafts:n=2,replacement=0"}, {"temperature": 0}, "verification.tree",
+     "at temperature 0 the processed draft is one-hot"),
     ({"tree": "drafts:n=5", "k": 16}, {}, "verification.tree", "80 nodes per block"),
     ({"tree": "tree:widths=2", "rule": "lenience:l=0.5"}, {"logprobs": 1}, "logprobs", "lossy tree rule"),
     ({"tree": "tree:widths=2", "rule": "greedy"}, {"temperature": 0.7}, "verification.rule",
      "rule 'greedy' returns the target's argmax"),
     ({"trees": "tree:widths=2"}, {}, "verification", "known: rule, k, tree"),
+    ({"rule": "hsd"}, {}, "verification.rule", "(this server's --tree; send \"tree\": \"none\" for chain"),
 ]
 
 

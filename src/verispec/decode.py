@@ -36,7 +36,7 @@ from verispec.sampling import SamplingConfig, process
 from verispec.speculation import AdaptivePolicy, RowAcceptance
 from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, refuse_tree_rule, shape_depth,
                                   tree_verification, verify_block)
-from verispec.trees import DraftShape, check_depth, parse_shape
+from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,10 @@ class DecodeConfig:
         if self.tree is not None and self.policy is not None:
             raise ValueError("adaptive speculation (policy) chooses a chain's k; it does not apply to tree "
                              f"drafts ({self.tree.spec}): give one or the other")
+        if isinstance(self.tree, MultiDraft) and not self.tree.replacement and self.tree.n > 1 \
+                and self.sampling.greedy:  # one token has positive draft probability at temperature 0
+            raise ValueError(f"drafts without replacement ({self.tree.spec}) need n distinct first tokens, "
+                             "but at temperature 0 the processed draft is one-hot: use replacement=1 or n=1")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {self.k!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -235,21 +235,23 @@ class Server:
         if spec is None and shape == self.default_shape:
             rule = self.default_rule
         else:
-            rule = self.request_rule(spec, shape)
+            rule = self.request_rule(spec, shape, ver.get("tree") is None)
         check_policy(rule, self.config)
         return rule, k, shape
 
-    def check_tree(self, rule: TreeVerification, shape: DraftShape, k: int, prompt_len: int,
-                   logprobs: int | None) -> None:
+    def check_tree(self, rule: TreeVerification, shape: DraftShape, k: int, sampling: SamplingConfig,
+                   prompt_len: int, logprobs: int | None) -> None:
         """APIError (400) for a tree request the decoder would refuse (`tree_verification`: a model
-        drafter, widths within the vocabulary; `check_tree_room`: the depth within the context left after
-        the prompt), one over --max-tree-nodes, and top log-probabilities under a lossy tree rule."""
+        drafter, widths within the vocabulary; `DecodeConfig`: distinct drafts at temperature 0;
+        `check_tree_room`: the depth within the context left after the prompt), one over
+        --max-tree-nodes, and top log-probabilities under a lossy tree rule."""
         try:
             tree_verification(rule, shape, self.drafter, self.target.vocab_size)
+            config = DecodeConfig(k=k, sampling=sampling, tree=shape)
         except ValueError as err:
             raise APIError(400, str(err), "verification.tree", "invalid_tree") from None
         try:
-            check_tree_room(self.target, prompt_len, DecodeConfig(k=k, tree=shape))
+            check_tree_room(self.target, prompt_len, config)
         except ValueError as err:
             raise APIError(400, str(err), "verification.tree", "context_length_exceeded") from None
         try:
@@ -263,8 +265,10 @@ class Server:
                                 "(each token's behaviour_logprob is exact) or use a lossless rule",
                            "logprobs", "unsupported")
 
-    def request_rule(self, spec: str | None, shape: DraftShape | None) -> Rule | TreeVerification:
-        """`verification.rule` (None: the server's --rule) for the request's draft shape; APIError (400)."""
+    def request_rule(self, spec: str | None, shape: DraftShape | None,
+                     default_shape: bool = False) -> Rule | TreeVerification:
+        """`verification.rule` (None: the server's --rule) for the request's draft shape (`default_shape`:
+        the server's --tree, which the client did not name); APIError (400)."""
         default = spec is None
         spec = self.config.rule if default else spec
         try:
@@ -272,6 +276,8 @@ class Server:
         except (ValueError, KeyError, RecursionError) as err:  # RecursionError: a spec nested too deeply
             why = err if not isinstance(err, RecursionError) else "nested too deeply"
             drafts = f"the draft shape '{shape.spec}'" if shape is not None else "chain drafts"
+            if shape is not None and default_shape:
+                drafts += f" (this server's --tree; send \"tree\": \"{NO_TREE}\" for chain drafts)"
             if default:
                 message = (f"this server's default rule '{spec}' (--rule) does not apply to {drafts}: {why}; "
                            "name a rule in 'verification.rule'")
@@ -400,7 +406,7 @@ class Server:
             raise APIError(400, "'ignore_eos' must be true or false", "ignore_eos")
         rule, k, shape = self.parse_rule(body)
         if shape is not None:
-            self.check_tree(rule, shape, k, len(prompt_ids), logprobs)
+            self.check_tree(rule, shape, k, sampling, len(prompt_ids), logprobs)
         greedy_refused = not self.config.allow_greedy_sampling and temperature > 0
         if rule is not None and rule.name == "greedy" and greedy_refused:
             raise APIError(400, f"rule 'greedy' returns the target's argmax whatever the temperature, so it "
