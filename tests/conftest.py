@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,17 +30,35 @@ def pytest_runtest_logreport(report):
     _SECONDS["slow" if "slow" in report.keywords else "quick"] += report.duration
 
 
+_FUZZ: Counter = Counter()  # tests/test_fuzz.py's input counts, from this process or from xdist workers
+
+
+def _fuzz_count() -> Counter:
+    for name, module in list(sys.modules.items()):
+        if name.endswith("test_fuzz") and getattr(module, "COUNT", None):
+            return module.COUNT
+    return Counter()
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the fuzz counts to the controller
+        session.config.workeroutput["verispec_fuzz"] = dict(_fuzz_count())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _FUZZ.update(getattr(node, "workeroutput", {}).get("verispec_fuzz", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print the time of the quick loop (`-m "not slow"`) and of the slow tests, and the fuzz suite's
     input count (tests/test_fuzz.py), in the terminal summary: CI's log shows both budgets (README,
-    'For contributors')."""
+    'For contributors'). Under xdist the times are summed over the workers."""
     terminalreporter.write_line(f"verispec test times: not slow {_SECONDS['quick']:.0f} s, "
                                 f"slow {_SECONDS['slow']:.0f} s (setup + call + teardown, summed)")
-    for name, module in list(sys.modules.items()):
-        if name.endswith("test_fuzz") and getattr(module, "COUNT", None):
-            count = module.COUNT
-            total = sum(count.values())
-            terminalreporter.write_line(f"verispec fuzz: {total} generated inputs ({dict(count)})")
+    count = _FUZZ + _fuzz_count()
+    if count:
+        terminalreporter.write_line(f"verispec fuzz: {sum(count.values())} generated inputs ({dict(count)})")
 
 
 # Whole modules that start a Ray instance (several seconds each, even when they refuse early) belong to the
@@ -51,3 +70,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        # pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml): a module's tests stay on one worker, so
+        # its module-scoped fixtures (a loaded pair, a started server) are built once; the Ray modules share
+        # one worker, so two local Ray instances never compete for the same two cores and ports.
+        group = "ray" if item.path.name in SLOW_MODULES else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most VERISPEC_TEST_WORKERS (default 2). Each worker loads its own
+    models (the default pair, SmolLM2, the llama.cpp pair: about 4 GB at most), so a many-core machine
+    does not get dozens of copies; a machine of this project's kind has 2 cores."""
+    cap = int(os.environ.get("VERISPEC_TEST_WORKERS", "2"))
+    return max(1, min(cap, os.cpu_count() or 1))

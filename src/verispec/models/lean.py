@@ -283,12 +283,13 @@ class LeanBatchCache:
     """Keys/values for R row slots per layer, [R, Hkv, capacity, hd], and per-slot lengths [R].
 
     Rolling a row back is a shorter length; rows take a free slot (`acquire`) and give it back
-    (`release`). Capacity and slot count grow by doubling. Buffers start zeroed, so masked keys and
+    (`release`). Capacity and slot count grow by doubling, from one slot (a batch of one, the common
+    single-prompt call, zeroes no buffers it does not use). Buffers start zeroed, so masked keys and
     values beyond a row's length are always finite (a masked score is exactly 0 after the softmax;
     0 * NaN would not be).
     """
 
-    def __init__(self, model: LeanLlama, slots: int = 4, capacity: int = 256):
+    def __init__(self, model: LeanLlama, slots: int = 1, capacity: int = 256):
         self.model = model
         shape = (slots, model.n_kv, capacity, model.head_dim)
         self.k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
