@@ -305,6 +305,7 @@ class LeanBatchCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
+    @torch.inference_mode(False)  # ordinary tensors even when grown inside a pass (see LeanBatchSession)
     def _grow(self, slots: int, capacity: int) -> None:
         old_slots, old_cap = self.slots, self.capacity
         for store in (self.k, self.v):
@@ -455,7 +456,12 @@ class LeanBatchSession:
                              f"not the {tokens.shape[0]} tokens given")
         self._cached[row] = tokens.to(torch.long).cpu().clone()
 
-    @torch.no_grad()  # not inference_mode: the cache's tensors stay ordinary (release works outside it)
+    # inference_mode, not no_grad: no autograd view/version bookkeeping per op (measured: no_grad cost the
+    # default pair's batch-1 decoding 12% more instructions, benchmarks/RESULTS.md "One engine"). The
+    # cache's buffers stay ordinary tensors (created outside, grown with inference mode off), so rows can
+    # be rolled back, compacted and released outside it; the logits returned are inference tensors,
+    # read-only to callers (as the batch-1 loop's always were).
+    @torch.inference_mode()
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)
         feeds, slots = [], []

@@ -197,7 +197,7 @@ class TreePass:
     parents: Tensor
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as LeanBatchSession.logits_for (verispec.models.lean)
 def score_tree(session: LeanBatchSession, rows: Sequence[int], contexts: Sequence[Tensor],
                tokens: Sequence[Tensor], parents: Sequence[Tensor]) -> tuple[list[Tensor], TreePass]:
     """Score one token tree per row in ONE `forward_tree` pass of a `LeanBatchSession`.
