@@ -49,6 +49,11 @@ def test_binary_score_intervals_and_mcnemar():
     for k, n in ((0, 10), (45, 100), (164, 164), (7, 20)):
         want = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
         assert wilson_interval(k, n) == pytest.approx((want.low, want.high), abs=1e-6)
+    # the interval holds its proportion exactly, also where centre - half cancels to rounding (0 of 75
+    # gave a lower bound of 3.5e-18 and a negative error bar in the report's plot)
+    assert wilson_interval(0, 75)[0] == 0.0 and wilson_interval(4, 4)[1] == 1.0
+    assert all(wilson_interval(k, n)[0] <= k / n <= wilson_interval(k, n)[1]
+               for n in range(1, 200) for k in range(n + 1))
     for better, worse in ((0, 6), (1, 9), (5, 5), (3, 12), (0, 0)):
         want = binomtest(better, better + worse, 0.5).pvalue if better + worse else 1.0
         assert mcnemar_exact(better, worse) == pytest.approx(want, rel=1e-9)

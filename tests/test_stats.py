@@ -192,6 +192,26 @@ def test_tables_on_the_committed_rows(core_rows):
     assert f"{plain_cap:.3f}" in lengths.splitlines()[2] and "protocol: extract" in lengths
 
 
+def test_cap_hit_part_of_a_comparison(core_rows):
+    """The part of a difference carried by pairs where either row hit the cap, recomputed from the rows:
+    with the rest (pairs where both stopped by themselves) it adds up to the pooled difference, and the
+    table prints it."""
+    gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
+    [found] = comparisons.compare(core_rows, gate, honest)
+    by = {(r["rule"], r["prompt_id"]): r for r in core_rows}
+    problems = sorted({r["prompt_id"] for r in core_rows})
+    capped = [p for p in problems if "length" in (by[(gate, p)]["finish"], by[(honest, p)]["finish"])]
+    part = sum(by[(gate, p)]["score"] - by[(honest, p)]["score"] for p in capped) / len(problems)
+    rest = sum(by[(gate, p)]["score"] - by[(honest, p)]["score"] for p in problems if p not in capped)
+    assert found.cap_part == (pytest.approx(part), len(capped)) and 0 < len(capped) < len(problems)
+    assert part + rest / len(problems) == pytest.approx(found.pooled.estimate)
+    table = comparisons.comparisons_table(core_rows, [f"{gate} vs {honest}"])
+    assert f"{part:+.3f} ({len(capped)} of {len(problems)})" in table and "from cap-hit pairs" in table
+    # no cap-hit anywhere: no part
+    stopped = [{**r, "finish": "eos"} for r in core_rows]
+    assert comparisons.compare(stopped, gate, honest)[0].cap_part == (0.0, 0)
+
+
 @pytest.mark.slow
 def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys):
     """End to end on the default pair: the graded suite, a truncation rule, two declared comparisons and

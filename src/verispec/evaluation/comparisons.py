@@ -124,6 +124,7 @@ class Comparison:
     per_seed: dict  # seed -> PairedEstimate
     pooled: stats.PairedEstimate
     planned: bool
+    cap_part: tuple[float, int] = (math.nan, 0)  # (part of the mean difference from cap-hit pairs, pairs)
 
 
 def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planned: bool = True
@@ -135,6 +136,7 @@ def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planne
     out = []
     for key_a, key_b in _matching(units, a, b):
         triples = defaultdict(list)  # seed -> [(problem, a, b)]
+        capped = []  # differences of the pairs where either row hit the cap
         for (problem, seed), row in units[key_a].items():
             other = units[key_b].get((problem, seed))
             if other is None:
@@ -142,10 +144,13 @@ def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planne
             va, vb = value(row), value(other)
             if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (va, vb)):
                 triples[seed].append((problem, float(va), float(vb)))
+                if _cap_hit(row) or _cap_hit(other):
+                    capped.append(float(va) - float(vb))
         pooled = [t for seed in sorted(triples) for t in triples[seed]]
+        cap_part = (sum(capped) / len(pooled) if pooled else math.nan, len(capped))
         out.append(Comparison(f"{a} vs {b}", _config_name(key_a), _config_name(key_b),
                               {seed: stats.clustered_paired(triples[seed]) for seed in sorted(triples)},
-                              stats.clustered_paired(pooled), planned))
+                              stats.clustered_paired(pooled), planned, cap_part))
     return out
 
 
@@ -192,7 +197,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     seeds = sorted({s for c in family for s in c.per_seed})
     head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
-            "Holm p", "threshold", "decision", "MDE"]
+            "Holm p", "threshold", "decision", "MDE", "from cap-hit pairs"]
     body = []
     rejecting = True  # Holm's step-down stops at the first hypothesis it keeps
     order = sorted(range(len(planned)), key=lambda i: (math.isnan(planned[i].pooled.p_value),
@@ -219,7 +224,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
         label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
-                     holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-"])
+                     holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-",
+                     f"{_fmt(c.cap_part[0])} ({c.cap_part[1]} of {c.pooled.units})"])
     design = (f"{kind} boundary, {looks} planned looks, this look from the share of planned problems paired"
               if looks > 1 else "one look (fixed design)")
     legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
@@ -228,7 +234,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               f"the {len(planned)} declared comparison(s); threshold: Holm's step-down level at "
               f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds; "
               f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
-              "standard error; the calibration row compares two samplers of the same law, so a "
+              "standard error; from cap-hit pairs: the part of the pooled difference (the sum of A - B "
+              "over all pairs divided by their number) carried by the pairs where A or B hit the length "
+              "cap, and how many pairs those are; the rest comes from pairs where both stopped by "
+              "themselves; the calibration row compares two samplers of the same law, so a "
               "difference there is chance, not a rule effect)")
     notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
                     "or not yet decoded)" for m in missing)
@@ -236,7 +245,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
 
 
 def replace_planned(c: Comparison) -> Comparison:
-    return Comparison(c.name, c.config_a, c.config_b, c.per_seed, c.pooled, planned=False)
+    return Comparison(c.name, c.config_a, c.config_b, c.per_seed, c.pooled, planned=False,
+                      cap_part=c.cap_part)
 
 
 # ------------------------------------------------------------------------------------ length outcomes

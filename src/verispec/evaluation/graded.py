@@ -103,6 +103,16 @@ def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
     return out
 
 
+def interleaved(problems: list[dict]) -> list[dict]:
+    """The problems with the levels taken in turn (the first of each level, then the second of each, ...),
+    so that any prefix is balanced across levels (to one problem)."""
+    by_level: dict[int, list[dict]] = {}
+    for p in problems:
+        by_level.setdefault(p["level"], []).append(p)
+    queues = [by_level[lv] for lv in sorted(by_level)]
+    return [q[n] for n in range(max(map(len, queues), default=0)) for q in queues if n < len(q)]
+
+
 def level_of(prompt_id: str) -> int | None:
     """The level of a graded problem from its id ('graded-L3-07' -> 3); None for other ids."""
     if not isinstance(prompt_id, str) or not prompt_id.startswith("graded-L"):

@@ -68,13 +68,17 @@ def t_interval(values: list[float]) -> tuple[float, float]:
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of a binomial proportion (Wilson 1927); (nan, nan) for n = 0."""
+    """The 95% Wilson score interval of a binomial proportion (Wilson 1927); (nan, nan) for n = 0. At 0
+    (n) successes the lower (upper) bound is exactly 0 (1): centre - half cancels there only up to
+    rounding, which put the bound a hair past the proportion (a negative error bar in the plot)."""
     if n == 0:
         return math.nan, math.nan
     phat = successes / n
     centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return min(low, phat), max(high, phat)
 
 
 def mcnemar_exact(better: int, worse: int) -> float:

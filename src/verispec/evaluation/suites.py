@@ -221,10 +221,11 @@ def mtbench() -> Suite:
 
 def graded_suite() -> Suite:
     """Five difficulty levels of arithmetic and word problems with exact answers, 40 per level, generated
-    from a fixed seed (`verispec.evaluation.graded`); exact match of the final number."""
+    from a fixed seed (`verispec.evaluation.graded`); exact match of the final number. The items take
+    the levels in turn (L1-01, L2-01, ..., L5-01, L1-02, ...), so `--limit N` keeps the levels balanced."""
     items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
                                                                "expression": p["expression"]})
-                  for p in graded.generate())
+                  for p in graded.interleaved(graded.generate()))
     return Suite("graded", "difficulty-graded arithmetic and word problems (5 levels x 40), exact answer",
                  items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
                  primary="exact_match", max_new_tokens=384)
