@@ -26,6 +26,7 @@ from verispec.rules.hsd import hsd_levels
 from verispec.trees import (MultiDraft, TokenTree, TreeWidths, block_law, chain_tree, check_depth,
                             parse_shape, parse_tree_rule, sample_chains, step_laws, topk_tree, verify_tree)
 from verispec.trees.rules import FrontierLaw, TreeLossless, TreeSGLang
+from verispec.tree_decode import TreeVerification, verify_block
 from verispec.trees.traversal import traversal_block_law, traversal_verify
 
 LOSSY_SPECS = ["lenience:l=0.5", "speccascade:min_p=0.3", "typical:eps=0.2", "typical:eps=0.09,alpha=0.3",
@@ -174,6 +175,20 @@ def test_draft_q_with_deterministic_children_is_lossy():
     tables = Tables(3, seed=21)
     law = stream_law(parse_tree_rule("lossless"), tables, TreeWidths((2, 1)), 4, as_if_sampled=True)
     assert worst_gap(law, joint_law(tables, 4)) > 1e-3
+
+
+def test_decode_loop_traversal_takes_processed_rows_unchecked():
+    """The decode loop's processed rows are distributions up to float32 rounding, whose sum over a 152k
+    vocabulary left `check_probs`' tolerance in a Qwen2.5-Coder bf16 run at T=1 (off by 5.09e-5 against
+    4.65e-5): `verify_block` skips the re-validation for Traversal as it does for the other tree rules,
+    while `traversal_verify` alone still refuses such rows."""
+    tree, rows = chi_tree("topk")
+    off = rows * (1 + 1e-5)  # [N+1, V]: sums 1 + 1e-5, outside the float64 tolerance 1e-6
+    u = torch.rand(tree.size + 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # [N+1]
+    with pytest.raises(ValueError, match="sum to 1"):
+        traversal_verify(tree, off, u)
+    block = verify_block(TreeVerification(None, TreeWidths((3, 2))), tree, off, u)
+    assert block.result.tokens == traversal_verify(tree, off, u, validate=False).tokens
 
 
 def test_traversal_on_a_chain_is_block_verification():

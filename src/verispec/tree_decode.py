@@ -345,9 +345,10 @@ def verify_block(verification: TreeVerification, tree: TokenTree, target_probs: 
     Per-step laws: the target's own rows for a lossless pairing (Traversal included: its block law is
     the target's, docs/design.md 'Trees'), else `step_laws` (exact given the prefix on top-k trees)."""
     rule = verification.rule
+    # processed probabilities are exact distributions: no re-validation
     if rule is None:
-        result = traversal_verify(tree, target_probs, uniforms)
-    else:  # processed probabilities are exact distributions: no re-validation
+        result = traversal_verify(tree, target_probs, uniforms, validate=False)
+    else:
         result = verify_tree(rule, tree, target_probs, uniforms, validate=False)
     frontiers = [0, *result.nodes]
     if verification.lossless:
