@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import SPECS
+from verispec.probability import check_probs
 from verispec.rules import parse
 from verispec.rules.hsd import hsd_levels
 
@@ -164,3 +165,17 @@ def test_parse_errors_name_rule_key_and_range(spec, fragments):
 def test_spec_round_trips(spec):
     rule = parse(spec)
     assert parse(rule.spec) == rule
+
+
+def test_float32_softmax_rows_pass_the_sum_check_at_large_vocabularies():
+    """The row-sum tolerance is a worst-case bound for float32 softmax (verispec.probability, the derivation
+    beside `_sum_tolerance`), so rows a model produces pass at Qwen's vocabulary (151,936), flat or peaked;
+    a row scaled by 1.01 still fails."""
+    vocab = 151_936
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.0, 1.0, 5.0, 20.0):
+        logits = scale * torch.randn(8, vocab, generator=gen)  # [8, V]
+        check_probs("target_probs", torch.softmax(logits, -1))
+        check_probs("target_probs", torch.softmax(logits.bfloat16().float(), -1))
+    with pytest.raises(ValueError, match="sum to 1"):
+        check_probs("target_probs", torch.softmax(torch.randn(2, vocab, generator=gen), -1) * 1.01)
