@@ -2,6 +2,7 @@
 
     python benchmarks/engine_b1.py                 # against the commit before the one-engine change
     python benchmarks/engine_b1.py --base HEAD~3 --rounds 7 --tokens 64
+    python benchmarks/engine_b1.py --instructions --reps 4      # instructions counted by valgrind (slow)
 
 What it measures: tokens/s of one prompt decoded alone (batch 1) on the default pair, plain decoding
 and lossless speculative decoding (k = 4), T = 1 and greedy, diagnostics on (the default), 64 new
@@ -12,6 +13,13 @@ timing, and each (method, temperature) decodes the six shakespeare prompts of be
 once. The figure per tree is the median over rounds of total tokens / total seconds; the ratio
 (this tree / base) is computed per round, and its median and range are printed.
 
+`--instructions`: wall time on a shared machine does not resolve a few per cent (the rounds above range
+over +-30%), so this mode counts instructions instead, which machine load does not change: each tree's
+worker runs under `valgrind --tool=callgrind` twice, decoding one prompt (64 tokens, T = 1, plain and
+lossless k = 4) once and 1 + --reps times; the difference over --reps is the instructions of one decode.
+Under valgrind torch runs its AVX2 kernels (valgrind does not emulate AVX-512), the same in both trees.
+About 10-25 minutes per worker run on this machine; the two runs of a tree go in parallel.
+
 Both trees are called through `speculative_decode` / `autoregressive_decode`, which exist in both:
 before the change they ran the separate batch-1 loop, after it the engine with a batch of one.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,6 +69,45 @@ print(json.dumps(out))
 """
 
 
+COUNT_WORKER = r"""
+import sys, torch
+torch.set_num_threads(1)
+from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
+from verispec.models import load_drafter, load_model
+from verispec.sampling import SamplingConfig
+method, runs, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+target = load_model("default")
+drafter = load_drafter("default-draft", target)
+prompt = target.encode("KING.\nWhat says the queen?\n")
+cfg = DecodeConfig(k=4, max_new_tokens=tokens, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0))
+for _ in range(runs):
+    g = torch.Generator().manual_seed(0)
+    if method == "plain":
+        autoregressive_decode(target, prompt, cfg, g)
+    else:
+        speculative_decode(target, drafter, prompt, "lossless", cfg, g)
+"""
+
+
+def instructions(src: Path, method: str, reps: int, tokens: int) -> float:
+    """Instructions of one decode in tree `src`: callgrind totals of 1 + reps decodes minus 1, over reps."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    procs = []
+    for runs in (1, 1 + reps):
+        cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c",
+               COUNT_WORKER, method, str(runs), str(tokens)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    totals = []
+    for proc in procs:
+        _, err = proc.communicate()
+        found = re.search(r"Collected : (\d+)", err)
+        if proc.returncode != 0 or found is None:
+            raise SystemExit(f"valgrind run failed ({proc.returncode}): {err[-2000:]}")
+        totals.append(int(found.group(1)))
+    return (totals[1] - totals[0]) / reps
+
+
 def run(src: Path, threads: int, tokens: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     here = str(Path(__file__).parent)
@@ -68,12 +116,25 @@ def run(src: Path, threads: int, tokens: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def count_instructions(base: Path, this: Path, reps: int, tokens: int, methods: list[str]) -> None:
+    print(f"instructions per decode (one prompt, {tokens} tokens, T=1, valgrind callgrind, {reps} reps):")
+    for method in methods:
+        counts = {name: instructions(src, method, reps, tokens)
+                  for name, src in (("base", base), ("this", this))}
+        print(f"{method:6s} base {counts['base'] / 1e6:8.1f} M  this {counts['this'] / 1e6:8.1f} M  "
+              f"this/base {counts['this'] / counts['base']:.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="c957926", help="the commit to compare against")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--instructions", action="store_true", help="count instructions with valgrind instead")
+    ap.add_argument("--reps", type=int, default=4, help="--instructions: decodes beyond the first")
+    ap.add_argument("--methods", nargs="+", default=["plain", "sd"], choices=["plain", "sd"],
+                    help="--instructions: which decodes to count")
     args = ap.parse_args()
     repo = Path(__file__).resolve().parent.parent
     print(environment())
@@ -82,6 +143,9 @@ def main() -> None:
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(base), args.base],
                        check=True, capture_output=True)
         try:
+            if args.instructions:
+                count_instructions(base / "src", repo / "src", args.reps, args.tokens, args.methods)
+                return
             results: dict[str, list[dict]] = {"base": [], "this": []}
             for r in range(args.rounds):
                 order = [("base", base / "src"), ("this", repo / "src")]
