@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scipy.stats import beta
 
 from stats import chisquare_pvalue
 from streams import joint_law
@@ -36,13 +37,30 @@ def test_the_best_k_grows_with_the_acceptance():
 
 
 def test_a_row_explores_before_it_stops_drafting():
-    """k = 0 forever would never learn the row's acceptance: below `explore` tests a row drafts >= 1."""
+    """k = 0 forever would never learn the row's acceptance: below `explore` tests a row drafts, at the k
+    that pays best if every draft is accepted (here 2: 1.6 s for 3 tokens against 1.3 s for 2)."""
     policy = AdaptivePolicy(COSTS, k_max=2, explore=8)
+    assert policy.explore_k == 2
     assert policy.choose_k(0.1) == 0
-    assert policy.choose_k(0.1, tests=3) == 1 and policy.choose_k(0.1, tests=8) == 0
+    assert policy.choose_k(0.1, tests=3) == 2 and policy.choose_k(0.1, tests=8) == 0
     assert policy.choose_k(0.95, tests=0) == 2  # exploring never lowers a choice
     hopeless = AdaptivePolicy(Costs(target={1: (1.0, 2.5, 4.0)}, draft={1: 0.5}), k_max=2)
     assert not hopeless.can_pay and hopeless.choose_k(0.5, tests=0) == 0  # nothing could pay: no exploring
+
+
+def test_exploring_stops_once_paying_is_implausible():
+    """The break-even acceptance, and the posterior chance of reaching it, Beta(accepted + 1, rejected + 1)
+    as scipy computes it; a row whose tests make paying implausible stops exploring early."""
+    # a wide pass is dear: only a high acceptance pays (per token at a: (2 * 0.2 + 2.2) / E(a, 2) < 1)
+    dear = AdaptivePolicy(Costs(target={1: (1.0, 1.9, 2.2)}, draft={1: 0.2}), k_max=2, explore=8)
+    a = dear.break_even
+    assert 0.8 < a < 1.0 and (2 * 0.2 + 2.2) / expected_tokens(a, 2) == pytest.approx(1.0, abs=1e-9)
+    for accepted, tests in ((0, 0), (0, 3), (2, 4), (5, 5), (7, 7)):
+        posterior = beta(accepted + 1, tests - accepted + 1)
+        assert dear.chance_to_pay(accepted, tests) == pytest.approx(posterior.sf(a))
+    assert dear.choose_k(0.5, tests=0, accepted=0) == dear.explore_k == 2  # nothing known yet: explore
+    assert dear.chance_to_pay(1, 3) < 0.05 and dear.choose_k(0.4, tests=3, accepted=1) == 0  # stops early
+    assert dear.choose_k(0.9, tests=3, accepted=3) == 2  # still plausible: goes on exploring
 
 
 def test_acceptance_counts_tests_not_drafts():

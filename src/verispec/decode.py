@@ -551,7 +551,8 @@ class BatchDecoder:
             wanted = [r.config.k for r in rows]
         else:  # each row's k from its own acceptance; then whether the batch's block pays at all
             estimates = [r.acceptance.estimate for r in rows]
-            wanted = [policy.choose_k(a, r.acceptance.tests) for a, r in zip(estimates, rows)]
+            wanted = [policy.choose_k(a, r.acceptance.tests, r.acceptance.accepted)
+                      for a, r in zip(estimates, rows)]
             off = policy.by_batch and any(wanted) and not policy.pays(estimates, wanted)
             wanted = [0] * len(rows) if off else wanted
             for r, k in zip(rows, wanted):

@@ -20,7 +20,10 @@ size, `speculative_disable_by_batch_size`; here the measured costs decide).
 
 A row's acceptance is estimated from its own blocks: each block makes `n` successful acceptance tests
 and, when it stops before its last draft, one failed test, so `a = (accepted + 1) / (tests + 2)` (a
-uniform prior). This changes only how many tokens are drafted, never how they are verified: each
+uniform prior). A row with few tests explores: it drafts, at the k that pays best at acceptance 1, while
+the posterior Beta(accepted + 1, rejected + 1) still gives at least a 5% chance that its acceptance
+reaches the break-even one (the lowest at which some k beats plain decoding). This changes only how many
+tokens are drafted, never how they are verified: each
 token's law given the decoder's state is the rule's, and the decode loop records it as usual.
 """
 
@@ -94,21 +97,58 @@ class AdaptivePolicy:
     costs: Costs
     k_max: int
     by_batch: bool = True
-    # a row drafts at least one token until it has made this many acceptance tests, where speculation
-    # could pay at all (at acceptance 1): a row that never drafts never learns its acceptance, and the
-    # prior alone (1/2) could keep it at k = 0 for good
+    # a row explores (drafts) until it has made this many acceptance tests, where speculation could pay at
+    # all (at acceptance 1): a row that never drafts never learns its acceptance, and the prior alone (1/2)
+    # could keep it at k = 0 for good. It stops exploring early once its tests make paying implausible
+    # (posterior probability below `explore_chance` that its acceptance reaches the break-even one).
     explore: int = 8
+    explore_chance: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_max, int) or not 1 <= self.k_max <= self.costs.k_max:
             raise ValueError(f"k_max must be between 1 and the measured {self.costs.k_max}, got {self.k_max}")
 
-    def choose_k(self, acceptance: float, tests: int | None = None) -> int:
-        """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k); at
-        least 1 while the row has made fewer than `explore` acceptance tests (`tests`)."""
+    def choose_k(self, acceptance: float, tests: int | None = None, accepted: int | None = None) -> int:
+        """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k). While
+        the row explores (fewer than `explore` tests, `accepted` of them passed, and a posterior chance of
+        at least `explore_chance` that speculation pays), at least `explore_k`: the k that pays best if
+        every draft is accepted, the only case exploring is for (a k = 1 block can cost more than the two
+        tokens it can emit, and tests one token a block)."""
         best = min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
-        exploring = tests is not None and tests < self.explore and self.can_pay
-        return max(best, 1) if exploring else best
+        if tests is None or tests >= self.explore or not self.can_pay:
+            return best
+        if accepted is not None and self.chance_to_pay(accepted, tests) < self.explore_chance:
+            return best
+        return max(best, self.explore_k)
+
+    @property
+    def explore_k(self) -> int:
+        """The k > 0 with the fewest seconds per token at acceptance 1 (ties: the smaller k)."""
+        return min(range(1, self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, 1.0, k), k))
+
+    @property
+    def break_even(self) -> float:
+        """The lowest acceptance at which some k > 0 beats plain decoding at batch size 1 (bisection; 1.0
+        when none does)."""
+        plain = row_seconds_per_token(self.costs, 1.0, 0)
+
+        def pays(a: float) -> bool:
+            return any(row_seconds_per_token(self.costs, a, k) < plain for k in range(1, self.k_max + 1))
+
+        if not pays(1.0):
+            return 1.0
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (low, mid) if pays(mid) else (mid, high)
+        return high
+
+    def chance_to_pay(self, accepted: int, tests: int) -> float:
+        """P(acceptance > break_even) under the row's posterior Beta(accepted + 1, tests - accepted + 1)
+        (the uniform prior of `RowAcceptance.estimate`): for integer parameters, the probability that a
+        Binomial(tests + 1, break_even) count is at most `accepted`."""
+        n, x = tests + 1, self.break_even
+        return sum(math.comb(n, j) * x**j * (1 - x) ** (n - j) for j in range(accepted + 1))
 
     @property
     def can_pay(self) -> bool:
