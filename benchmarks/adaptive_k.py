@@ -78,7 +78,7 @@ def main() -> None:
                     spec = out.stats["verification"]["speculation"]
                     if spec is not None:
                         choices[b] += spec["k_per_block"]
-                        off[b] += spec.get("blocks_off", 0)
+                        off[b] += spec["blocks_off"]
             speeds[(m, b)].append(tokens / (time.perf_counter() - start))
         line = ", ".join(f"{m} B={b} {speeds[(m, b)][-1]:.2f}" for m, b in runs)
         print(f"round {r + 1}: {line}", flush=True)

@@ -147,7 +147,7 @@ def test_keys_beyond_a_rows_length_never_leak(target):
 @pytest.mark.slow
 def test_rows_leave_and_join(target):
     session = target.batch_session()
-    seqs = dict(enumerate(prompts(target, 6, seed=4)))  # 6 rows > 4 initial slots: the slot count doubles
+    seqs = dict(enumerate(prompts(target, 6, seed=4)))  # 6 rows > 1 initial slot: the slot count doubles
     speculative_rounds(target, session, seqs, rounds=3, seed=5, subset=False)
     slot = session._slot[2]
     session.release(2)
@@ -159,6 +159,25 @@ def test_rows_leave_and_join(target):
     session.release(9)  # releasing an unknown row is a no-op
     del seqs[9]
     speculative_rounds(target, session, seqs, rounds=2, seed=7)
+
+
+def test_passes_run_in_inference_mode_on_ordinary_cache_buffers(target):
+    """The batch session's passes run in inference mode (no autograd bookkeeping per op: the engine's
+    batch-1 speed, benchmarks/RESULTS.md 'One engine'), while the cache's buffers, grown inside a pass (a
+    second and third slot, a capacity past 256 positions), stay ordinary tensors: rows are released and
+    rolled back outside inference mode, where an inference tensor refuses in-place writes."""
+    session = target.batch_session()
+    long = torch.tensor(target.encode("KING.\n" * 150))[:300]  # [300] > the initial capacity 256
+    seqs = [*prompts(target, 2, seed=11), long]
+    got = session.logits_for([0, 1, 2], seqs, [1] * 3)
+    assert all(logits.is_inference() for logits in got)
+    cache = session.cache
+    assert cache.slots >= 3 and cache.capacity >= 300
+    assert not any(t.is_inference() for t in (*cache.k, *cache.v, cache.lengths))
+    session.release(1)  # an in-place write to cache.lengths, outside inference mode
+    rolled = [seqs[0], long[:-5]]  # row 2 rolled back by five positions
+    again = session.logits_for([0, 2], rolled, [1, 1])
+    assert_rows_close(again[1], target.session().logits_for(rolled[1][None], 1)[0], TOL)
 
 
 def test_self_draft_batch_session(target):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -121,26 +122,33 @@ class AdaptivePolicy:
             return best
         return max(best, self.explore_k)
 
-    @property
+    # the three below depend on the costs alone: computed once per policy (choose_k runs per row and block)
+    @cached_property
     def explore_k(self) -> int:
         """The k > 0 with the fewest seconds per token at acceptance 1 (ties: the smaller k)."""
         return min(range(1, self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, 1.0, k), k))
 
-    @property
+    def beats_plain(self, acceptance: float) -> bool:
+        """Whether some k > 0 emits a token in fewer seconds than plain decoding at batch size 1."""
+        plain = row_seconds_per_token(self.costs, acceptance, 0)
+        return any(row_seconds_per_token(self.costs, acceptance, k) < plain for k in range(1, self.k_max + 1))
+
+    @cached_property
+    def can_pay(self) -> bool:
+        """Whether speculation beats plain decoding at batch size 1 when every draft is accepted; if not,
+        no acceptance makes it pay on these costs and nothing is worth exploring."""
+        return self.beats_plain(1.0)
+
+    @cached_property
     def break_even(self) -> float:
         """The lowest acceptance at which some k > 0 beats plain decoding at batch size 1 (bisection; 1.0
         when none does)."""
-        plain = row_seconds_per_token(self.costs, 1.0, 0)
-
-        def pays(a: float) -> bool:
-            return any(row_seconds_per_token(self.costs, a, k) < plain for k in range(1, self.k_max + 1))
-
-        if not pays(1.0):
+        if not self.can_pay:
             return 1.0
         low, high = 0.0, 1.0
         for _ in range(40):
             mid = (low + high) / 2
-            low, high = (low, mid) if pays(mid) else (mid, high)
+            low, high = (low, mid) if self.beats_plain(mid) else (mid, high)
         return high
 
     def chance_to_pay(self, accepted: int, tests: int) -> float:
@@ -149,13 +157,6 @@ class AdaptivePolicy:
         Binomial(tests + 1, break_even) count is at most `accepted`."""
         n, x = tests + 1, self.break_even
         return sum(math.comb(n, j) * x**j * (1 - x) ** (n - j) for j in range(accepted + 1))
-
-    @property
-    def can_pay(self) -> bool:
-        """Whether some k > 0 beats plain decoding at batch size 1 when every draft is accepted; if not,
-        no acceptance makes speculation pay on these costs and nothing is worth exploring."""
-        plain = row_seconds_per_token(self.costs, 1.0, 0)
-        return any(row_seconds_per_token(self.costs, 1.0, k) < plain for k in range(1, self.k_max + 1))
 
     def pays(self, acceptances: list[float], ks: list[int]) -> bool:
         """Whether a block with these rows' k beats plain decoding's tokens per second at this batch size
