@@ -28,16 +28,19 @@ from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, Costs
 from verispec.tree_decode import TreeScorer, draft_tree, draft_trees
 from test_decode_toy import V, law_fn, one_thread, toy_pair  # noqa: F401 (one_thread: autouse)
-from verispec.trees import TreeWidths, block_law, parse_tree_rule, topk_tree
+from verispec.trees import (DynamicTree, TreeWidths, block_law, dynamic_tree, grow, growth, parse_tree_rule,
+                            topk_tree)
 
 RUNS = 2000  # the toy pair, its exact laws and the one-thread fixture are test_decode_toy's
 
 
-def topk_stream_law(spec: str, target, draft, prompt: list[int], widths: tuple[int, ...],
+def topk_stream_law(spec: str, target, draft, prompt: list[int], shape: tuple[int, ...] | DynamicTree,
                     length: int) -> dict:
-    """Exact law of the first `length` tokens of top-k tree decoding: per block, the tree the draft's
-    top-k gives after the prefix (cut to `remaining - 1` levels, as the engine does), the rule's exact
-    `block_law` on it, composed over blocks (float64 throughout)."""
+    """Exact law of the first `length` tokens of deterministic tree decoding: per block, the tree the
+    draft's top-k (widths) or EAGLE-2 expansion (a `DynamicTree`) gives after the prefix (cut to
+    `remaining - 1` levels, as the engine does), the rule's exact `block_law` on it, composed over blocks
+    (float64 throughout)."""
+    shape = shape if isinstance(shape, DynamicTree) else TreeWidths(shape)
     rule = parse_tree_rule(spec)
     p_fn, q_fn = law_fn(target, prompt), law_fn(draft, prompt)
     out: dict[tuple[int, ...], float] = {}
@@ -47,10 +50,9 @@ def topk_stream_law(spec: str, target, draft, prompt: list[int], widths: tuple[i
         if remaining <= 0:
             out[prefix[:length]] = out.get(prefix[:length], 0.0) + weight
             return
-        cut = widths[: remaining - 1]
-        if cut:
-            tree = topk_tree(TreeWidths(cut),
-                             lambda paths: torch.tensor(np.stack([q_fn(prefix + p) for p in paths])))
+        if remaining > 1:
+            tree = grow(growth(shape, remaining - 1),
+                        lambda paths: torch.tensor(np.stack([q_fn(prefix + p) for p in paths])))
             target_probs = torch.tensor(np.stack([p_fn(prefix + tree.path(n)) for n in range(tree.size + 1)]))
             law = block_law(rule, tree, target_probs)
         else:  # no room to draft: one token from the target (every rule's bonus law but greedy's)
@@ -96,7 +98,7 @@ def sample_counts(target, draft, spec: str, shape: str, prompt: list[int], lengt
 
 
 LOSSLESS = [("lossless", "tree:widths=2,1"), ("traversal", "tree:widths=2,2"), ("lossless", "drafts:n=2"),
-            ("traversal", "drafts:n=2,replacement=0")]
+            ("traversal", "drafts:n=2,replacement=0"), ("lossless", "tree:nodes=3,depth=2,topk=2")]
 ALPHA = 1e-4 / (2 * (len(LOSSLESS) + 2))
 
 
@@ -111,17 +113,19 @@ def test_lossless_tree_decoding_follows_the_target_law(spec, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["lenience:l=0.3", "speccascade:min_p=0.5"])
-def test_lossy_tree_rule_follows_its_exact_law_not_the_target(spec):
+@pytest.mark.parametrize("spec,shape", [("lenience:l=0.3", (2, 1)), ("speccascade:min_p=0.5", (2, 1)),
+                                        ("lenience:l=0.3", DynamicTree(3, 2, 2))])
+def test_lossy_tree_rule_follows_its_exact_law_not_the_target(spec, shape):
     """The power check: a lossy tree rule's stream is told apart from the target's law."""
     target, draft = toy_pair()
-    prompt, length, widths = [1], 3, (2, 1)
-    law = as_vector(topk_stream_law(spec, target, draft, prompt, widths, length), length)
+    prompt, length = [1], 3
+    law = as_vector(topk_stream_law(spec, target, draft, prompt, shape, length), length)
     truth = as_vector(joint_law(law_fn(target, prompt), V, length), length)
     assert abs(law.sum() - 1) < 1e-12
     shift = np.abs(law - truth).sum() / 2
     assert shift > 0.05, shift  # the case does exercise power
-    counts = sample_counts(target, draft, spec, "tree:widths=2,1", prompt, length, seed=12)
+    text = shape.spec if isinstance(shape, DynamicTree) else TreeWidths(shape).spec
+    counts = sample_counts(target, draft, spec, text, prompt, length, seed=12)
     assert chisquare_pvalue(counts, law) > ALPHA
     assert chisquare_pvalue(counts, truth) < ALPHA
 
@@ -132,8 +136,9 @@ def test_exact_stream_law_of_lossless_is_the_target():
     target, draft = toy_pair()
     truth = as_vector(joint_law(law_fn(target, [2]), V, 3), 3)
     for spec in ("lossless", "lenience:l=1"):
-        law = as_vector(topk_stream_law(spec, target, draft, [2], (2, 1), 3), 3)
-        np.testing.assert_allclose(law, truth, rtol=0, atol=1e-12)
+        for shape in ((2, 1), DynamicTree(3, 2, 2)):
+            law = as_vector(topk_stream_law(spec, target, draft, [2], shape, 3), 3)
+            np.testing.assert_allclose(law, truth, rtol=0, atol=1e-12)
 
 
 def test_engine_tree_is_the_topk_tree_of_the_draft():
@@ -162,9 +167,34 @@ def test_engine_tree_is_the_topk_tree_of_the_draft():
     assert draft_tree(scorer, 0, context, TreeWidths((2, 2)), 0, SamplingConfig(), None, V).size == 0
 
 
+def test_engine_dynamic_tree_is_eagle2s_tree_of_the_draft():
+    """EAGLE-2 trees in the engine: `dynamic_tree` of the draft's own law after the context, alone and
+    for rows together (each draft pass scoring only the nodes to expand and their ancestors), cut to the
+    depth left."""
+    target, draft = toy_pair()
+    shape = DynamicTree(5, 3, 2)
+    contexts = [torch.tensor([1, 2, 0]), torch.tensor([0, 0]), torch.tensor([2, 1, 1, 0])]
+    trees, passes = draft_trees(TreeScorer(draft), [0, 1, 2], contexts, shape, [3, 2, 0],
+                                SamplingConfig(temperature=0.5), [None] * 3, V)
+    assert passes == [3, 2, 0]
+    for got, ctx, depth in zip(trees, contexts, [3, 2, 0]):
+        q_fn = law_fn(draft, ctx.tolist())
+        draft_fn = lambda paths: torch.tensor(np.stack([q_fn(p) for p in paths])).float()  # noqa: E731
+        want = grow(growth(shape, depth), draft_fn, vocab=V)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=0, atol=1e-6)
+        alone = draft_tree(TreeScorer(draft), 0, ctx, shape, depth, SamplingConfig(), None, V)
+        assert torch.equal(got.tokens, alone.tokens) and torch.equal(got.parents, alone.parents)
+    assert trees[0].size == 5 and trees[1].size == 5 and trees[2].size == 0
+    q_fn = law_fn(draft, [1, 2, 0])
+    full = dynamic_tree(shape, lambda paths: torch.tensor(np.stack([q_fn(p) for p in paths])))
+    assert torch.equal(trees[0].tokens, full.tokens)
+
+
 @pytest.mark.parametrize("spec,shape", [
     ("lossless", "tree:widths=2,1"), ("lenience:l=0.5", "tree:widths=3,1"),
-    ("traversal", "drafts:n=2,depth=2"), ("budget:tv=0.1", "tree:widths=2")])
+    ("traversal", "drafts:n=2,depth=2"), ("budget:tv=0.1", "tree:widths=2"),
+    ("speccascade:min_p=0.3", "tree:nodes=4,depth=3,topk=2")])
 def test_toy_rows_in_a_batch_equal_rows_alone(spec, shape):
     target, draft = toy_pair()
     prompts = [[1], [0, 2, 1], [2, 2]]
@@ -205,7 +235,7 @@ def test_toy_greedy_tree_equals_plain_greedy():
     for prompt in ([1], [0, 2], [2, 1, 1]):
         plain = autoregressive_decode(target, prompt, DecodeConfig(max_new_tokens=10,
                                                                    sampling=SamplingConfig(temperature=0)))
-        for shape in ("tree:widths=2,1", "tree:widths=1,1,1"):
+        for shape in ("tree:widths=2,1", "tree:widths=1,1,1", "tree:nodes=5,depth=3,topk=2"):
             config = DecodeConfig(max_new_tokens=10, tree=shape)
             [tree] = decode_prompts(target, [prompt], [torch.Generator().manual_seed(0)], config,
                                     ModelDrafter(draft), "greedy")
@@ -289,7 +319,7 @@ def test_default_pair_greedy_tree_rules_equal_plain_greedy(pair, suite_prompts):
     greedy = DecodeConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     plain = decode_prompts(target, suite_prompts, [None] * 4, greedy)
     for shape, spec in (("tree:widths=4,2,2,1", "lossless"), ("tree:widths=2,2", "traversal"),
-                        ("drafts:n=2,depth=3", "lossless")):
+                        ("drafts:n=2,depth=3", "lossless"), ("tree:nodes=8,depth=4,topk=3", "lossless")):
         config = DecodeConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=0), stop_at_eos=False,
                               tree=shape)
         outs = decode_prompts(target, suite_prompts, [torch.Generator().manual_seed(i) for i in range(4)],
@@ -299,7 +329,8 @@ def test_default_pair_greedy_tree_rules_equal_plain_greedy(pair, suite_prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,shape", [("lossless", "tree:widths=3,2,1"),
-                                        ("lenience:l=0.5", "tree:widths=2,2")])
+                                        ("lenience:l=0.5", "tree:widths=2,2"),
+                                        ("typical:eps=0.2", "tree:nodes=6,depth=3,topk=2")])
 def test_default_pair_rows_in_a_batch_equal_rows_alone(pair, suite_prompts, spec, shape):
     """Sampled at temperature 1: the same tokens and block structure alone and in a batch of rows with
     different prompt lengths (their tree passes differ by float rounding only, tests/test_lean_tree.py)."""

@@ -64,7 +64,7 @@ def same_as_local(r, out, report) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--tree", "widths=2,0"], "--tree: tree widths must be one or more integers >= 1"),
-    (["--tree", "tree:depth=3"], "--tree: draft shape 'tree' takes one parameter, widths="),
+    (["--tree", "tree:depth=3"], "--tree: draft shape 'tree' needs parameter(s) nodes, topk"),
     (["--tree", "drafts:n=0"], "--tree: draft shape 'drafts': n=0 is out of range"),
     (["--tree", "2", "--rule", "hsd"], "--rule 'hsd' with --tree tree:widths=2: unknown tree rule 'hsd'"),
     (["--tree", "n=2", "--rule", "lenience:l=0.5"], "is lossy on sampled drafts"),
@@ -127,6 +127,8 @@ def test_greedy_tree_request_equals_generate_and_counts_nodes(srv):
      "drafts:n=2,replacement=1"),
     ({"tree": "tree:widths=2,2", "rule": "lenience:l=0.5"}, dict(tree="2,2", rule="lenience:l=0.5"),
      "tree:widths=2,2"),
+    ({"tree": "nodes=5,depth=3,topk=2", "rule": "speccascade:min_p=0.1"},
+     dict(tree="nodes=5,depth=3,topk=2", rule="speccascade:min_p=0.1"), "tree:nodes=5,depth=3,topk=2"),
     (None, dict(tree="2,1"), DEFAULT_TREE),  # the server's --tree
     ({"tree": "none"}, dict(k=4), None),  # chain drafts on a server whose default is a tree
 ])
@@ -194,7 +196,10 @@ def test_tree_rows_carry_their_exact_per_token_record(srv):
 
 BAD = [  # (verification, other fields, status-400 param, words of the message)
     ({"tree": "tree:widths=3,x"}, {}, "verification.tree", "tree widths must be integers >= 1"),
-    ({"tree": "tree:depth=3"}, {}, "verification.tree", "draft shape 'tree' takes one parameter"),
+    ({"tree": "tree:height=3"}, {}, "verification.tree", "draft shape 'tree' takes widths="),
+    ({"tree": "tree:nodes=9,depth=2,topk=2"}, {}, "verification.tree", "exceeds the 6 candidates"),
+    ({"tree": "tree:nodes=3,depth=2,topk=5000"}, {}, "verification.tree", "exceeds the vocabulary (4096"),
+    ({"tree": "tree:nodes=65,depth=5,topk=4"}, {}, "verification.tree", "65 nodes per block"),
     ({"tree": "tree:widths=2,0"}, {}, "verification.tree", "widths must be one or more integers >= 1"),
     ({"tree": "drafts:n=0"}, {}, "verification.tree", "n=0 is out of range"),
     ({"tree": 3}, {}, "verification.tree", "must be a draft shape string"),

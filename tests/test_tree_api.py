@@ -13,13 +13,16 @@ from verispec.evaluation.suites import Item
 from verispec.evaluation.store import SCHEMA_VERSION
 from verispec.evaluation.sweep import PLAIN, RunConfig, SweepSpec, unit_key
 from verispec.models import TabularModel
-from verispec.trees import MultiDraft, TreeWidths
+from verispec.trees import DynamicTree, MultiDraft, TreeWidths
 
 
 def test_shape_spellings():
     assert draft_shape(tree="4,2,2,1") == TreeWidths((4, 2, 2, 1))
     assert draft_shape(tree="widths=4,2") == draft_shape(tree="tree:widths=4,2") == TreeWidths((4, 2))
     assert draft_shape(drafts="n=3") == draft_shape(drafts="drafts:n=3") == MultiDraft(3)
+    assert draft_shape(tree="nodes=16,depth=5,topk=4") == draft_shape(tree="tree:nodes=16,depth=5,topk=4") \
+        == DynamicTree(16, 5, 4)
+    assert shape_spec("topk=2,nodes=3,depth=2") == "tree:nodes=3,depth=2,topk=2"
     assert draft_shape() is None
     assert shape_spec("widths=3,1") == "tree:widths=3,1"
     assert shape_spec("n=2,depth=3") == "drafts:n=2,replacement=1,depth=3"

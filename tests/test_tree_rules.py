@@ -23,8 +23,9 @@ from stats import chisquare_pvalue
 from verispec.gates import eta_mask, min_p_mask
 from verispec.rules import parse
 from verispec.rules.hsd import hsd_levels
-from verispec.trees import (MultiDraft, TokenTree, TreeWidths, block_law, chain_tree, check_depth,
-                            parse_shape, parse_tree_rule, sample_chains, step_laws, topk_tree, verify_tree)
+from verispec.trees import (DynamicTree, MultiDraft, TokenTree, TreeWidths, block_law, chain_tree,
+                            check_depth, dynamic_tree, grow, growth, parse_shape, parse_tree_rule,
+                            sample_chains, step_laws, topk_tree, verify_tree)
 from verispec.trees.rules import FrontierLaw, TreeLossless, TreeSGLang
 from verispec.tree_decode import TreeVerification, verify_block
 from verispec.trees.traversal import traversal_block_law, traversal_verify
@@ -82,8 +83,8 @@ def law_of(rule, tree: TokenTree, rows: torch.Tensor) -> dict:
 
 
 def block_outcomes(rule, tables: Tables, ctx: tuple[int, ...], shape, as_if_sampled: bool = False) -> dict:
-    if isinstance(shape, TreeWidths):
-        tree = topk_tree(shape, tables.draft_fn(ctx))
+    if not isinstance(shape, MultiDraft):  # deterministic: top-k or dynamic
+        tree = grow(growth(shape), tables.draft_fn(ctx))
         if as_if_sampled:  # the lossy variant: deterministic children verified with q as their proposal
             tree = dataclasses.replace(tree, proposal="iid")
         return law_of(rule, tree, tables.target_rows(ctx, tree))
@@ -134,6 +135,23 @@ def test_lossless_on_topk_trees_gives_the_target_stream(spec, v, widths, length,
     assert abs(sum(law.values()) - 1) < 1e-12
 
 
+# EAGLE-2 dynamic trees: (V, nodes, depth, topk, length); pools of 2 + 4 + 4 and 3 + 9 candidates
+DYNAMIC_CASES = [(3, 4, 3, 2, 4), (3, 6, 3, 2, 4), (4, 5, 2, 3, 3), (2, 3, 3, 2, 4)]
+
+
+@pytest.mark.parametrize("v,nodes,depth,topk,length", DYNAMIC_CASES)
+@pytest.mark.parametrize("spec", ["lossless", "lenience:l=1", "sglang:single=1,acc=1", "budget:tv=0",
+                                  "traversal"])
+def test_lossless_on_dynamic_trees_gives_the_target_stream(spec, v, nodes, depth, topk, length):
+    """A dynamic tree is a function of the prefix (its shape depends on the draft's values across
+    branches, not on any draw), so the lossless pairings of top-k trees stay lossless on it."""
+    tables = Tables(v, seed=11 * v + nodes, zeros=nodes % 2 == 1)
+    rule = "traversal" if spec == "traversal" else parse_tree_rule(spec)
+    law = stream_law(rule, tables, DynamicTree(nodes, depth, topk), length)
+    assert worst_gap(law, joint_law(tables, length)) < 1e-12
+    assert abs(sum(law.values()) - 1) < 1e-12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("v,n,depth,length,replacement", [
     (3, 2, 2, 3, 1), (3, 2, 2, 3, 0), (2, 3, 2, 4, 1), (3, 3, 1, 3, 1), (3, 3, 1, 3, 0), (4, 2, 1, 3, 1),
@@ -169,11 +187,12 @@ def test_lossless_on_sampled_chains_small():
             assert worst_gap(law, joint_law(tables, 3)) < 1e-12
 
 
-def test_draft_q_with_deterministic_children_is_lossy():
+@pytest.mark.parametrize("shape", [TreeWidths((2, 1)), DynamicTree(4, 3, 2)])
+def test_draft_q_with_deterministic_children_is_lossy(shape):
     """Power check of the exact test: SpecInfer's ratio min(1, w/q) and residual norm((w - q)+) with the
-    draft's q on deterministic top-k children (the top-k tree relabelled as if sampled i.i.d.) is lossy."""
+    draft's q on deterministic children (the tree relabelled as if sampled i.i.d.) is lossy."""
     tables = Tables(3, seed=21)
-    law = stream_law(parse_tree_rule("lossless"), tables, TreeWidths((2, 1)), 4, as_if_sampled=True)
+    law = stream_law(parse_tree_rule("lossless"), tables, shape, 4, as_if_sampled=True)
     assert worst_gap(law, joint_law(tables, 4)) > 1e-3
 
 
@@ -223,10 +242,11 @@ def greedy_decode(tables: Tables, length: int) -> tuple[int, ...]:
     return seq
 
 
-@pytest.mark.parametrize("widths", [(2, 1), (3, 2, 1), (1, 1, 1)])
-def test_greedy_on_trees_is_greedy_decoding(widths):
-    tables = Tables(3, seed=40 + len(widths))
-    law = stream_law(parse_tree_rule("greedy"), tables, TreeWidths(widths), 5)
+@pytest.mark.parametrize("shape", [TreeWidths((2, 1)), TreeWidths((3, 2, 1)), TreeWidths((1, 1, 1)),
+                                   DynamicTree(4, 3, 2), DynamicTree(2, 3, 1)])
+def test_greedy_on_trees_is_greedy_decoding(shape):
+    tables = Tables(3, seed=40 + shape.depth)
+    law = stream_law(parse_tree_rule("greedy"), tables, shape, 5)
     assert law == {greedy_decode(tables, 5): pytest.approx(1.0, abs=1e-12)}
 
 
@@ -321,10 +341,11 @@ def test_single_child_matches_the_chain_catalogue():
             assert torch.allclose(tree_law, want, atol=1e-12), spec
 
 
-def test_step_laws_compose_to_the_block_law():
+@pytest.mark.parametrize("shape", [TreeWidths((2, 2)), DynamicTree(5, 3, 2)])
+def test_step_laws_compose_to_the_block_law(shape):
     """The per-step laws along a path multiply to that path's block probability."""
     tables = Tables(3, seed=2)
-    tree = topk_tree(TreeWidths((2, 2)), tables.draft_fn(()))
+    tree = grow(growth(shape), tables.draft_fn(()))
     rows = tables.target_rows((), tree)
     gen = torch.Generator().manual_seed(0)
     for spec in ALL_SPECS:
@@ -335,7 +356,7 @@ def test_step_laws_compose_to_the_block_law():
             result = verify_tree(rule, tree, rows, u)
             steps = step_laws(rule, tree, rows, result)
             seq = result.tokens
-            if spec == "lossless":  # top-k tree: the tree is a function of the prefix, each step's law is p
+            if spec == "lossless":  # deterministic tree: a function of the prefix, each step's law is p
                 path_rows = rows[[0, *result.nodes]]  # [n+1, V]
                 assert torch.allclose(steps, path_rows, atol=1e-12)
             assert float(np.prod([float(steps[i, t]) for i, t in enumerate(seq)])) == pytest.approx(law[seq],
@@ -346,7 +367,8 @@ def test_step_laws_compose_to_the_block_law():
 
 ROWS = 8000
 CHI_CASES = ([(spec, "topk") for spec in ALL_SPECS] + [("lossless", "iid"), ("lossless", "distinct")]
-             + [("traversal", kind) for kind in ("topk", "iid", "distinct")])
+             + [("traversal", kind) for kind in ("topk", "iid", "distinct")]
+             + [("speccascade:min_p=0.3", "dynamic"), ("traversal", "dynamic")])
 ALPHA = 1e-4 / (len(CHI_CASES) + 1)
 
 
@@ -354,6 +376,8 @@ def chi_tree(proposal: str) -> tuple[TokenTree, torch.Tensor]:
     tables = Tables(4, seed=9)
     if proposal == "topk":
         tree = topk_tree(TreeWidths((3, 2)), tables.draft_fn(()))
+    elif proposal == "dynamic":  # an irregular tree: 7 of 2 + 4 + 4 candidates
+        tree = dynamic_tree(DynamicTree(7, 3, 2), tables.draft_fn(()))
     else:
         # i.i.d.: chains 0 and 1 share their first token (a two-node frontier at depth 1)
         chains = torch.tensor([[1, 2], [1, 0], [3, 3]] if proposal == "iid" else [[1, 2], [0, 1], [3, 3]])
@@ -455,6 +479,63 @@ def test_topk_tree_shape_and_children():
     assert torch.equal(tree.proposal_probs()[1:].argmax(-1), tree.tokens[1:])
 
 
+def eagle2_paths(tables: Tables, nodes: int, depth: int, topk: int) -> tuple[set, int]:
+    """EAGLE-2's dynamic tree written on paths (Li et al. 2024, section 4): expand the root, then at each
+    depth the topk most valuable nodes of the newest layer (value: the product of q along the path),
+    each with its topk most probable children; keep the `nodes` most valuable candidates. Ties: earlier
+    created first (children by token id). Returns the kept paths and the draft calls made."""
+    value, created, layer, calls = {(): 1.0}, [], [()], 0
+    for _ in range(depth):
+        new = []
+        for path in layer:
+            q = tables.get("q", path)
+            calls += 1
+            for tok in sorted(range(tables.v), key=lambda t: (-q[t], t))[:topk]:
+                value[path + (tok,)] = value[path] * q[tok]
+                new.append(path + (tok,))
+        created += new
+        layer = sorted(new, key=lambda c: -value[c])[:topk]
+    return set(sorted(created, key=lambda c: -value[c])[:nodes]), calls
+
+
+@pytest.mark.parametrize("v,nodes,depth,topk,seed", [(4, 6, 3, 2, 0), (5, 9, 4, 3, 1), (3, 3, 1, 3, 2),
+                                                     (4, 10, 3, 2, 3), (6, 12, 3, 3, 4)])
+def test_dynamic_tree_is_eagle2s_tree(v, nodes, depth, topk, seed):
+    tables = Tables(v, seed=seed, zeros=seed % 2 == 1)
+    calls = []
+
+    def counted(paths):
+        calls.append(len(paths))
+        return tables.draft_fn(())(paths)
+
+    tree = dynamic_tree(DynamicTree(nodes, depth, topk), counted)
+    want, want_calls = eagle2_paths(tables, nodes, depth, topk)
+    paths = [tree.path(n) for n in range(1, tree.size + 1)]
+    assert set(paths) == want and len(paths) == nodes == tree.size
+    assert sum(calls) == want_calls and len(calls) == depth  # one draft pass per layer
+    assert tree.proposal == "topk" and tree.depth <= depth
+    for node in range(1, tree.size + 1):  # q at the parent, children by decreasing q (ties by token id)
+        parent = int(tree.parents[node])
+        assert torch.equal(tree.draft_probs[node], torch.tensor(tables.get("q", tree.path(parent))))
+        kids = tree.children([parent])
+        q = tables.get("q", tree.path(parent))
+        assert [int(t) for t in tree.tokens[kids]] == sorted((int(t) for t in tree.tokens[kids]),
+                                                             key=lambda t: (-q[t], t))
+
+
+def test_dynamic_tree_special_cases():
+    tables = Tables(5, seed=3)
+    one_layer = dynamic_tree(DynamicTree(3, 1, 3), tables.draft_fn(()))
+    static = topk_tree(TreeWidths((3,)), tables.draft_fn(()))
+    assert torch.equal(one_layer.tokens, static.tokens) and torch.equal(one_layer.parents, static.parents)
+    chain = dynamic_tree(DynamicTree(4, 4, 1), tables.draft_fn(()))  # topk = 1: the draft's greedy chain
+    greedy = topk_tree(TreeWidths((1, 1, 1, 1)), tables.draft_fn(()))
+    assert torch.equal(chain.tokens, greedy.tokens) and torch.equal(chain.parents, greedy.parents)
+    cut = grow(growth(DynamicTree(6, 3, 2), depth=2), tables.draft_fn(()))  # cut to the room left
+    assert cut.depth <= 2 and cut.size == 6
+    assert grow(growth(DynamicTree(6, 3, 2), depth=0), tables.draft_fn(()), vocab=5).size == 0
+
+
 def test_sample_chains_without_replacement_are_distinct_and_follow_q():
     tables = Tables(4, seed=2)
     gen = torch.Generator().manual_seed(1)
@@ -469,7 +550,13 @@ def test_sample_chains_without_replacement_are_distinct_and_follow_q():
     ("tree:widths=4,0,1", "integers >= 1"),
     ("tree:widths=", "integers >= 1"),
     ("tree:widths=a,2", "integers >= 1"),
-    ("tree:depth=3", "widths="),
+    ("tree:depth=3", "needs parameter"),
+    ("tree:height=3", "widths="),
+    ("tree:nodes=0,depth=2,topk=2", "out of range"),
+    ("tree:nodes=7,depth=2,topk=2", "exceeds the 6 candidates"),
+    ("tree:nodes=4,depth=2", "needs parameter"),
+    ("tree:nodes=4,depth=2,topk=2,widths=3", "has no parameter 'widths'"),
+    ("tree:nodes=4.5,depth=2,topk=2", "not a valid int"),
     ("drafts:n=0", "out of range"),
     ("drafts:n=2,replacement=2", "out of range"),
     ("drafts:replacement=0", "needs parameter"),
@@ -483,6 +570,9 @@ def test_bad_shapes_are_refused(spec, message):
 def test_shapes_round_trip_and_limits():
     assert parse_shape("tree:widths=4,2,2,1") == TreeWidths((4, 2, 2, 1))
     assert parse_shape(parse_shape("drafts:n=3,replacement=0").spec) == MultiDraft(3, 0)
+    dynamic = parse_shape("tree:topk=4,nodes=16,depth=5")
+    assert dynamic == DynamicTree(16, 5, 4) and parse_shape(dynamic.spec) == dynamic
+    assert dynamic.proposal == "topk" and dynamic.widest == 4 and dynamic.candidates(5) == 68
     tables = Tables(3, seed=0)
     with pytest.raises(ValueError, match="exceeds the vocabulary"):
         topk_tree(TreeWidths((4,)), tables.draft_fn(()))

@@ -235,7 +235,8 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
 
 def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShape | None:
     """The draft shape of `generate(tree=..., drafts=...)` (docs/design.md, 'Trees'): tree="4,2,2,1",
-    "widths=4,2,2,1" or "tree:widths=4,2,2,1"; drafts="n=3[,replacement=0][,depth=D]" or "drafts:n=3"."""
+    "widths=4,2,2,1" or "tree:widths=4,2,2,1"; EAGLE-2's dynamic tree "nodes=16,depth=5,topk=4" or
+    "tree:nodes=16,depth=5,topk=4"; drafts="n=3[,replacement=0][,depth=D]" or "drafts:n=3"."""
     if tree is not None and drafts is not None:
         raise ValueError("give a tree (tree=...) or several drafts (drafts=...), not both")
     for name, value in (("tree", tree), ("drafts", drafts)):
@@ -244,8 +245,8 @@ def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShap
                             f"got {type(value).__name__}")
     if tree is not None:
         text = tree.strip()
-        text = text if text.startswith("tree:") else "tree:" + (text if text.startswith("widths") else
-                                                                  "widths=" + text)
+        named = text.startswith(("widths", "nodes", "depth", "topk"))
+        text = text if text.startswith("tree:") else "tree:" + (text if named else "widths=" + text)
         return parse_shape(text)
     if drafts is not None:
         text = drafts.strip()
@@ -256,7 +257,8 @@ def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShap
 def parse_draft_shape(text: str) -> DraftShape:
     """A draft shape from any of its spellings, as `bench --tree`, `serve --tree` and a served request's
     `verification.tree` take it: `tree:widths=4,2,2,1` / `drafts:n=3` as given, and the run command's
-    short forms `widths=4,2,2,1`, `4,2,2,1` and `n=3` completed. ValueError for a malformed shape."""
+    short forms `widths=4,2,2,1`, `4,2,2,1`, `nodes=16,depth=5,topk=4` and `n=3` completed. ValueError
+    for a malformed shape."""
     if not isinstance(text, str):
         raise TypeError(f"a draft shape must be a str (e.g. 'tree:widths=4,2,2,1' or 'drafts:n=3'), "
                         f"got {type(text).__name__}")
@@ -366,9 +368,10 @@ def generate(
     `stats["verification"]["speculation"]` holds the costs and choices. Measured costs vary from run to
     run, so k="auto" results are not token-reproducible from the seed alone (their law is the rule's).
 
-    tree="4,2,2,1" (or "widths=4,2,2,1") drafts a top-k token tree per block, drafts="n=3" three
-    sampled chains of k tokens (docs/design.md, 'Trees'); `rule` is then a tree rule (lossless, greedy,
-    lenience:l=, ..., or traversal), and lossy ones need a top-k tree.
+    tree="4,2,2,1" (or "widths=4,2,2,1") drafts a top-k token tree per block, tree="nodes=16,depth=5,
+    topk=4" EAGLE-2's dynamic tree, drafts="n=3" three sampled chains of k tokens (docs/design.md,
+    'Trees'); `rule` is then a tree rule (lossless, greedy, lenience:l=, ..., or traversal), and lossy
+    ones need a deterministic (top-k or dynamic) tree.
 
     dtype is the target's compute dtype, draft_dtype a separate draft model's (a self-draft shares the
     target's weights and dtype). fp32 by default: the tiny default draft is slower in bf16 on CPU.

@@ -122,8 +122,8 @@ def _terminate(signum, frame) -> None:
 
 
 def shape_spec(text: str) -> str:
-    """A bench --tree value as a draft shape spec: tree:widths=4,2,2,1 / drafts:n=3 as given, and the
-    run command's short forms widths=4,2,2,1 / n=3 completed."""
+    """A bench --tree value as a draft shape spec: tree:widths=4,2,2,1 / tree:nodes=16,depth=5,topk=4 /
+    drafts:n=3 as given, and the run command's short forms widths=4,2,2,1 / nodes=... / n=3 completed."""
     return parse_draft_shape(text).spec
 
 
@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(verispec.speculation)")
     shapes = run.add_mutually_exclusive_group()
     shapes.add_argument("--tree", default=None, metavar="WIDTHS",
-                        help="draft a top-k token tree per block, e.g. --tree widths=4,2,2,1 (--rule is then "
+                        help="draft a token tree per block: static top-k, e.g. --tree widths=4,2,2,1, or "
+                             "EAGLE-2's dynamic tree, e.g. --tree nodes=16,depth=5,topk=4 (--rule is then "
                              "a tree rule: lossless, greedy, lenience:l=, ..., traversal)")
     shapes.add_argument("--drafts", default=None, metavar="SPEC",
                         help="draft n sampled chains of k tokens per block, e.g. "
@@ -293,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
     bench.add_argument("--k", nargs="+", type=int, default=[4])
     bench.add_argument("--tree", nargs="+", default=None, metavar="SHAPE",
-                       help="tree / multi-draft shapes as an axis, e.g. tree:widths=4,2,2,1 drafts:n=3: each "
-                            "runs lossless and the --rules that are tree rules (traversal too)")
+                       help="tree / multi-draft shapes as an axis, e.g. tree:widths=4,2,2,1 "
+                            "tree:nodes=16,depth=5,topk=4 drafts:n=3: each runs lossless and the --rules "
+                            "that are tree rules (traversal too)")
     bench.add_argument("--seeds", nargs="+", type=int, default=[0])
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts of the suite")
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default: the suite's own")

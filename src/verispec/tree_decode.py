@@ -1,22 +1,24 @@
 """Tree and multi-draft blocks of the decode engine (`BatchDecoder` with `DecodeConfig.tree`).
 
 docs/design.md, sections 'Trees' and 'Tree decoding'. One block per row: the drafter expands a token
-tree after the row's committed tokens (`tree:widths=...`, the draft's top-k children; or
-`drafts:n=...`, n chains sampled from the draft), the target scores every node, the tree rule (or
+tree after the row's committed tokens (`tree:widths=...`, the draft's top-k children;
+`tree:nodes=...,depth=...,topk=...`, EAGLE-2's dynamic tree; or `drafts:n=...`, n chains sampled from
+the draft), the target scores every node, the tree rule (or
 Traversal Verification) picks the accepted path and the last token, and the row's target cache keeps
 the committed tokens plus the accepted path only.
 
 Target scoring: a `LeanBatchSession` scores all rows' trees in ONE tree-attention pass
 (`verispec.models.lean_tree.score_tree`) and keeps the accepted paths with `commit_paths`. Any other
 backend takes the per-row FALLBACK: one `BatchSession.logits_for` call per root-to-leaf path of each
-row's tree (correct, not fast; the block still counts as one target call). Drafting: top-k trees grow
-for all rows together, one draft pass per level re-scoring each row's tree so far on the drafter's own
-session (`draft_trees`); multi-drafts row by row, each `draft_fn` call scoring the requested paths as a
-small tree.
+row's tree (correct, not fast; the block still counts as one target call). Drafting: deterministic
+trees (top-k, dynamic) grow for all rows together, one draft pass per level scoring the nodes to expand
+and their ancestors on the drafter's own session (`draft_trees`); multi-drafts row by row, each
+`draft_fn` call scoring the requested paths as a small tree.
 
 Randomness per row, from the row's own generator in a fixed order: `drafts:n=` draws n x D float64
 uniforms for its chains (`sample_chains`), then every block draws N+1 float64 uniforms for the
-verification (`verify_tree` / `traversal_verify`; N drafted nodes). Top-k trees draw nothing to draft.
+verification (`verify_tree` / `traversal_verify`; N drafted nodes). Top-k and dynamic trees draw
+nothing to draft.
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from verispec.models.lean import LeanBatchSession
 from verispec.models.lean_tree import TreePass, commit_paths, score_tree
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig, process
-from verispec.trees import (DraftShape, MultiDraft, TokenTree, TreeRule, TreeVerifyResult, TreeWidths,
-                            chain_tree, parse_tree_rule, sample_chains, step_laws, topk_tree,
-                            traversal_verify, verify_tree)
+from verispec.trees import (DraftShape, MultiDraft, TokenTree, TreeRule, TreeVerifyResult, chain_tree, grow,
+                            growth, parse_tree_rule, sample_chains, step_laws, traversal_verify, verify_tree)
 
 __all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tree", "draft_trees",
            "refuse_tree_rule", "shape_depth", "shape_nodes", "tree_verification", "tree_verification_rule",
@@ -43,25 +44,18 @@ __all__ = ["TRAVERSAL", "TreeBlock", "TreeScorer", "TreeVerification", "draft_tr
 TRAVERSAL = "traversal"
 
 
-def proposal_kind(shape: DraftShape) -> str:
-    """The proposal law of the shape's nodes: "topk", "iid" or "distinct" (`TokenTree.proposal`)."""
-    if isinstance(shape, TreeWidths):
-        return "topk"
-    return "iid" if shape.replacement else "distinct"
-
-
 def shape_depth(shape: DraftShape, k: int) -> int:
-    """The tree's depth: the number of widths, or the chains' depth (default: the run's k)."""
-    if isinstance(shape, TreeWidths):
-        return shape.depth
+    """The tree's depth: the number of widths, a dynamic tree's depth, or the chains' depth (default:
+    the run's k)."""
     return shape.depth if shape.depth is not None else k
 
 
 def shape_nodes(shape: DraftShape, k: int) -> int:
-    """The drafted nodes of a full block: `TreeWidths.nodes`, or n chains x their depth (kept unmerged)."""
-    if isinstance(shape, TreeWidths):
-        return shape.nodes
-    return shape.n * shape_depth(shape, k)
+    """The drafted nodes of a full block: `TreeWidths.nodes`, a dynamic tree's `nodes`, or n chains x
+    their depth (kept unmerged)."""
+    if isinstance(shape, MultiDraft):
+        return shape.n * shape_depth(shape, k)
+    return shape.nodes
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class TreeVerification:
 
     @property
     def proposal(self) -> str:
-        return proposal_kind(self.shape)
+        return self.shape.proposal
 
     @property
     def lossless(self) -> bool:
@@ -147,9 +141,9 @@ def tree_verification(rule, shape: DraftShape, drafter, vocab_size: int) -> Tree
         got = "no drafter" if drafter is None else getattr(drafter, "name", drafter)
         raise ValueError(f"a tree draft ({shape.spec}) needs a model drafter (its distribution at every "
                          f"node); got {got}")
-    if isinstance(shape, TreeWidths) and max(shape.widths) > vocab_size:
-        raise ValueError(f"tree width {max(shape.widths)} exceeds the vocabulary ({vocab_size} tokens); "
-                         "use widths of at most the vocabulary size")
+    if not isinstance(shape, MultiDraft) and shape.widest > vocab_size:
+        raise ValueError(f"tree width {shape.widest} exceeds the vocabulary ({vocab_size} tokens); "
+                         "use widths (or topk) of at most the vocabulary size")
     return verification
 
 
@@ -261,16 +255,17 @@ def draft_tree(scorer: TreeScorer, row: int, context: Tensor, shape: DraftShape,
                sampling: SamplingConfig, generator: torch.Generator | None, vocab: int) -> TokenTree:
     """Draft one row's tree of at most `depth` levels after `context` (the shape cut to the room left).
 
-    Top-k trees rank children by the draft's own distribution (softmax of its logits, temperature 1,
-    no truncation), as EAGLE does: it orders tokens as the processed one does wherever that one is
-    positive, and still ranks them where it is zero (at temperature 0 every token but the argmax).
-    The children are deterministic, so their proposal law is one-hot whatever the ranking, and no tree
-    rule reads q on top-k trees; their `draft_probs` (the diagnostics' q) are that distribution.
-    Sampled drafts draw from the processed draft, as chains do (their proposal law is q itself)."""
+    Top-k and dynamic trees rank children (and dynamic trees their nodes) by the draft's own distribution
+    (softmax of its logits, temperature 1, no truncation), as EAGLE does: it orders tokens as the
+    processed one does wherever that one is positive, and still ranks them where it is zero (at
+    temperature 0 every token but the argmax). The children are deterministic, so their proposal law is
+    one-hot whatever the ranking, and no tree rule reads q on deterministic trees; their `draft_probs`
+    (the diagnostics' q) are that distribution. Sampled drafts draw from the processed draft, as chains do
+    (their proposal law is q itself)."""
     if depth < 1:
-        return _root_only(vocab, proposal_kind(shape))
-    if isinstance(shape, TreeWidths):
-        return topk_tree(TreeWidths(shape.widths[:depth]), _RowDraft(scorer, row, context, SamplingConfig()))
+        return _root_only(vocab, shape.proposal)
+    if not isinstance(shape, MultiDraft):
+        return grow(growth(shape, depth), _RowDraft(scorer, row, context, SamplingConfig()), vocab)
     draft_fn = _RowDraft(scorer, row, context, sampling)
     uniforms = torch.rand(shape.n, depth, generator=generator, dtype=torch.float64)  # [n, D]
     chains = sample_chains(shape.n, depth, draft_fn, uniforms, bool(shape.replacement))  # [n, D]
@@ -282,43 +277,34 @@ def draft_trees(scorer: TreeScorer, rows: Sequence[int], contexts: Sequence[Tens
                 vocab: int) -> tuple[list[TokenTree], list[int]]:
     """Every row's tree for this block, and the draft passes each row took part in.
 
-    Top-k trees are expanded for all rows together, one draft pass per level over the rows still
-    growing (each pass re-scores the row's tree so far, then rolls it back), node for node the tree
-    `topk_tree` builds (tested); multi-drafts are drawn row by row (`draft_tree`)."""
-    if not isinstance(shape, TreeWidths):
+    Deterministic trees (top-k, dynamic) grow for all rows together, one draft pass per step over the
+    rows still growing; each pass scores the nodes the step needs and their ancestors (for top-k trees
+    the whole tree so far), then rolls them back. Node for node the tree `topk_tree` / `dynamic_tree`
+    builds (tested). Multi-drafts are drawn row by row (`draft_tree`)."""
+    if isinstance(shape, MultiDraft):
         trees, passes = [], []
         for row, context, depth, gen in zip(rows, contexts, depths, generators):
             before = scorer.passes
             trees.append(draft_tree(scorer, row, context, shape, depth, sampling, gen, vocab))
             passes.append(scorer.passes - before)
         return trees, passes
-    # per row, as topk_tree: parents, depths, tokens, draft rows (q at the parent), the current level
-    grown = [{"parents": [-1], "depths": [0], "tokens": [int(c[-1])], "rows": [torch.zeros(vocab)],
-              "level": [0]} for c in contexts]
+    states = [growth(shape, depth) for depth in depths]
     passes = [0] * len(rows)
-    for d, width in enumerate(shape.widths[: max(depths, default=0)]):
-        active = [i for i, depth in enumerate(depths) if depth > d]
-        logits = scorer.score([rows[i] for i in active], [contexts[i] for i in active],
-                              [torch.tensor(grown[i]["tokens"]) for i in active],
-                              [torch.tensor(grown[i]["parents"]) for i in active])  # per row [M, V]
+    while active := [i for i, state in enumerate(states) if state.wanted]:
+        scored = [states[i].scored() for i in active]  # per row: node ids, the root first
+        tokens, parents = [], []
+        for i, nodes in zip(active, scored):
+            index = {node: j for j, node in enumerate(nodes)}
+            tokens.append(torch.tensor([int(contexts[i][-1])] + [states[i].tokens[n] for n in nodes[1:]]))
+            parents.append(torch.tensor([-1] + [index[states[i].parents[n]] for n in nodes[1:]]))
+        logits = scorer.score([rows[i] for i in active], [contexts[i] for i in active], tokens,
+                              parents)  # per row [len(nodes), V]
         scorer.rollback()
-        for i, row_logits in zip(active, logits):
-            g, passes[i] = grown[i], passes[i] + 1
-            q = process(row_logits[g["level"]], SamplingConfig())  # [len(level), V], the draft's own law
-            top = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]  # ties by token id
-            nxt = []
-            for j, node in enumerate(g["level"]):
-                for tok in top[j].tolist():
-                    g["parents"].append(node)
-                    g["depths"].append(d + 1)
-                    g["tokens"].append(tok)
-                    g["rows"].append(q[j])
-                    nxt.append(len(g["parents"]) - 1)
-            g["level"] = nxt
-    trees = [TokenTree(parents=torch.tensor(g["parents"]), depths=torch.tensor(g["depths"]),
-                       tokens=torch.tensor([-1, *g["tokens"][1:]]), draft_probs=torch.stack(g["rows"]),
-                       proposal="topk") for g in grown]
-    return trees, passes
+        for i, nodes, row_logits in zip(active, scored, logits):
+            at = [nodes.index(n) for n in states[i].wanted]
+            states[i].step(process(row_logits[at], SamplingConfig()))  # [len(wanted), V], the draft's own law
+            passes[i] += 1
+    return [state.tree(vocab) for state in states], passes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from verispec.models import default_draft
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 from verispec.tree_decode import TRAVERSAL, tree_verification_rule
-from verispec.trees import TreeWidths, parse_shape
+from verispec.trees import parse_shape
 
 PLAIN = "plain"
 
@@ -180,8 +180,7 @@ def tree_configs(trees: Sequence[str], rules: Sequence[str], ks: Sequence[int],
             except ValueError:
                 continue  # a chain-only rule, or a lossy rule on sampled drafts
             specs.append(verification.spec)
-        depths = [shape.depth] if isinstance(shape, TreeWidths) else (
-            [shape.depth] if shape.depth is not None else list(ks))
+        depths = [shape.depth] if shape.depth is not None else list(ks)
         out += [RunConfig(s, k, t, shape.spec) for t in temperatures for k in depths
                 for s in dict.fromkeys(specs)]
     return out

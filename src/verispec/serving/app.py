@@ -42,7 +42,7 @@ from verispec.serving.config import (MAX_SEED, APIError, ServeConfig, certifiabl
                                      check_port, check_tree_nodes)
 from verispec.tree_decode import (TreeVerification, refuse_tree_rule, shape_depth, tree_verification,
                                   tree_verification_rule)
-from verispec.trees import DraftShape, TreeWidths
+from verispec.trees import DraftShape
 from verispec.serving.engine import Engine, Job, Params, QueueFull
 from verispec.logprobs import token_logprobs
 from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
@@ -227,8 +227,7 @@ class Server:
                 return None, k, None
             raise APIError(400, "this server runs plain decoding (--draft none): no verification rule "
                                 f"applies, got '{spec}'", "verification.rule", "rule_not_allowed")
-        if shape is not None and ver.get("k") is not None and (isinstance(shape, TreeWidths)
-                                                               or shape.depth is not None):
+        if shape is not None and ver.get("k") is not None and shape.depth is not None:
             raise APIError(400, f"'verification.k' sets the length of chain drafts (and of drafts:n=... "
                                 f"chains without a depth); the draft shape '{shape.spec}' has its own depth "
                                 f"({shape_depth(shape, k)}): leave k out", "verification.k", "invalid_tree")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from verispec.trees.rules import (FrontierLaw, TreeRule, TreeVerifyResult, block_law, parse_tree_rule,
                                   step_laws, tree_rule_names, verify_tree)
-from verispec.trees.structure import (DraftShape, MultiDraft, TokenTree, TreeWidths, chain_tree, check_depth,
-                                      parse_shape, sample_chains, topk_tree)
+from verispec.trees.structure import (DraftShape, DynamicTree, MultiDraft, TokenTree, TreeGrowth, TreeWidths,
+                                      chain_tree, check_depth, dynamic_tree, grow, growth, parse_shape,
+                                      sample_chains, topk_tree)
 from verispec.trees.traversal import traversal_block_law, traversal_verify
 
-__all__ = ["DraftShape", "FrontierLaw", "MultiDraft", "TokenTree", "TreeRule", "TreeVerifyResult",
-           "TreeWidths", "block_law", "chain_tree", "check_depth", "parse_shape", "parse_tree_rule",
+__all__ = ["DraftShape", "DynamicTree", "FrontierLaw", "MultiDraft", "TokenTree", "TreeGrowth", "TreeRule",
+           "TreeVerifyResult", "TreeWidths", "block_law", "chain_tree", "check_depth", "dynamic_tree", "grow",
+           "growth", "parse_shape", "parse_tree_rule",
            "sample_chains", "step_laws", "topk_tree", "traversal_block_law", "traversal_verify",
            "tree_rule_names", "verify_tree"]

@@ -6,11 +6,18 @@ siblings in the order they were proposed. Per node: `parents` (-1 for the root),
 root), `tokens` (-1 for the root) and `draft_probs`, the draft's distribution at the node's parent
 (the q the node was chosen from; the root's row is zeros and never read).
 
-Two ways to grow a tree from a draft (`draft_fn(paths) -> [len(paths), V]`, the draft's next-token
+Three ways to grow a tree from a draft (`draft_fn(paths) -> [len(paths), V]`, the draft's next-token
 distribution after each path of tokens below the root):
 
 - `topk_tree(widths, draft_fn)`: static shape, every node at depth d gets the widths[d] most probable
   draft tokens as children (ties by token id), deterministic as in EAGLE;
+- `dynamic_tree(shape, draft_fn)`: EAGLE-2's dynamic tree (Li et al. 2024, "EAGLE-2: Faster Inference
+  of Language Models with Dynamic Draft Trees", section 4): nodes are valued by their path probability
+  under the draft (the product of q along the path); the root's top-k children form the first layer,
+  and at each further depth the topk most valuable nodes of the last layer are expanded, each with its
+  topk most probable children; after `depth` layers the `nodes` most valuable candidates are kept
+  (ties by creation order, so a node's ancestors come first: the kept set is a tree). Deterministic
+  given the prefix, as top-k trees are (proposal "topk");
 - `chain_tree(chains, draft_fn, replacement)`: n sampled chains (`sample_chains` draws them from q
   with given uniforms), kept unmerged: chains that share a prefix share nothing in the tree, and
   verification treats all nodes with the same path as one position (`TokenTree.same_path`). With
@@ -34,8 +41,8 @@ from torch import Tensor
 from verispec.probability import normalize, sample_from
 from verispec.spec import Param, parse_params, split
 
-__all__ = ["DraftShape", "MultiDraft", "TokenTree", "TreeWidths", "chain_tree", "check_depth",
-           "parse_shape", "sample_chains", "topk_tree"]
+__all__ = ["DraftShape", "DynamicTree", "MultiDraft", "TokenTree", "TreeGrowth", "TreeWidths", "chain_tree",
+           "check_depth", "dynamic_tree", "grow", "growth", "parse_shape", "sample_chains", "topk_tree"]
 
 DraftFn = Callable[[Sequence[tuple[int, ...]]], Tensor]
 
@@ -171,6 +178,54 @@ class TreeWidths:
     def spec(self) -> str:
         return "tree:widths=" + ",".join(map(str, self.widths))
 
+    proposal = "topk"
+
+    @property
+    def widest(self) -> int:
+        """The most children a node gets (checked against the vocabulary)."""
+        return max(self.widths)
+
+
+DYNAMIC_PARAMS = (
+    Param("nodes", int, "nodes >= 1", lambda v: v >= 1, "drafted nodes kept for verification"),
+    Param("depth", int, "depth >= 1", lambda v: v >= 1, "layers expanded"),
+    Param("topk", int, "topk >= 1", lambda v: v >= 1, "nodes expanded per layer, and children per node"),
+)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree: `depth` layers of expansion, `topk` nodes expanded per layer with `topk`
+    children each, the `nodes` candidates of highest draft path probability kept (module docstring)."""
+
+    nodes: int
+    depth: int
+    topk: int
+
+    def __post_init__(self) -> None:
+        values = {"nodes": self.nodes, "depth": self.depth, "topk": self.topk}
+        for param in DYNAMIC_PARAMS:
+            value = values[param.key]
+            if not isinstance(value, int) or isinstance(value, bool) or not param.check(value):
+                raise ValueError(f"tree: {param.key}={value!r} is out of range; allowed: {param.allowed}")
+        if self.nodes > self.candidates(self.depth):
+            raise ValueError(f"tree: nodes={self.nodes} exceeds the {self.candidates(self.depth)} candidates "
+                             f"that depth={self.depth}, topk={self.topk} drafts (topk + (depth-1) * topk^2)")
+
+    def candidates(self, depth: int) -> int:
+        """The candidate pool after `depth` layers: topk at the first, topk^2 at each further one."""
+        return self.topk + (depth - 1) * self.topk ** 2 if depth >= 1 else 0
+
+    @property
+    def spec(self) -> str:
+        return f"tree:nodes={self.nodes},depth={self.depth},topk={self.topk}"
+
+    proposal = "topk"
+
+    @property
+    def widest(self) -> int:
+        return self.topk
+
 
 MULTI_PARAMS = (
     Param("n", int, "n >= 1", lambda v: v >= 1, "number of sampled chains"),
@@ -203,19 +258,29 @@ class MultiDraft:
         extra = f",depth={self.depth}" if self.depth is not None else ""
         return f"drafts:n={self.n},replacement={self.replacement}{extra}"
 
+    @property
+    def proposal(self) -> str:
+        return "iid" if self.replacement else "distinct"
 
-DraftShape = TreeWidths | MultiDraft
+
+DraftShape = TreeWidths | DynamicTree | MultiDraft
 
 
 def parse_shape(spec: str) -> DraftShape:
-    """`tree:widths=4,2,2,1` or `drafts:n=3[,replacement=0][,depth=4]` (the grammar of verispec.spec;
-    `widths` takes the rest of the spec, a comma-separated list)."""
+    """`tree:widths=4,2,2,1`, `tree:nodes=16,depth=5,topk=4` (EAGLE-2 dynamic) or
+    `drafts:n=3[,replacement=0][,depth=4]` (the grammar of verispec.spec; `widths` takes the rest of
+    the spec, a comma-separated list)."""
     name, args = split(spec, "draft shape", "tree:widths=4,2,2,1")
     if name == "tree":
         key, eq, text = (s.strip() for s in args.partition("="))
+        if key in ("nodes", "depth", "topk"):
+            values = parse_params("draft shape", "tree", args, DYNAMIC_PARAMS,
+                                  required=("nodes", "depth", "topk"))
+            return DynamicTree(**values)  # type: ignore[arg-type]
         if key != "widths" or not eq:
-            raise ValueError(f"draft shape 'tree' takes one parameter, widths=W1,W2,... (e.g. "
-                             f"tree:widths=4,2,2,1), got {args!r}")
+            raise ValueError(f"draft shape 'tree' takes widths=W1,W2,... (a static top-k tree, e.g. "
+                             f"tree:widths=4,2,2,1) or nodes=N,depth=D,topk=K (EAGLE-2's dynamic tree, e.g. "
+                             f"tree:nodes=16,depth=5,topk=4), got {args!r}")
         try:
             widths = tuple(int(w) for w in text.split(","))
         except ValueError:
@@ -224,8 +289,8 @@ def parse_shape(spec: str) -> DraftShape:
     if name == "drafts":
         values = parse_params("draft shape", "drafts", args, MULTI_PARAMS, required=("n",))
         return MultiDraft(**values)  # type: ignore[arg-type]
-    raise ValueError(f"unknown draft shape {name!r}; known: tree (tree:widths=4,2,2,1), "
-                     "drafts (drafts:n=3[,replacement=0])")
+    raise ValueError(f"unknown draft shape {name!r}; known: tree (tree:widths=4,2,2,1 or "
+                     "tree:nodes=16,depth=5,topk=4), drafts (drafts:n=3[,replacement=0])")
 
 
 def check_depth(depth: int, room: int) -> None:
@@ -239,32 +304,128 @@ def check_depth(depth: int, room: int) -> None:
 # drafting
 
 
+class TreeGrowth:
+    """A deterministic tree (top-k or dynamic) grown step by step: `wanted` lists the nodes whose draft
+    distribution the next `step` needs (empty when done); `tree()` is the result. Nodes are numbered in
+    creation order (a parent before its children, siblings by decreasing q, ties by token id)."""
+
+    def __init__(self, layers: int) -> None:
+        self.parents, self.depths, self.tokens = [-1], [0], [-1]
+        self.rows: list[Tensor | None] = [None]  # per node, q at its parent
+        self.layers = layers  # how many steps (draft passes) the tree takes
+        self.wanted: list[int] = [0] if layers > 0 else []
+        self.done = 0
+
+    def path(self, node: int) -> tuple[int, ...]:
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return tuple(reversed(out))
+
+    def scored(self) -> list[int]:
+        """The nodes a draft pass must score for `wanted`: those and their ancestors, in node order."""
+        keep = set()
+        for node in self.wanted:
+            while node >= 0 and node not in keep:
+                keep.add(node)
+                node = self.parents[node]
+        return sorted(keep)
+
+    def _expand(self, q: Tensor, width: int) -> list[int]:
+        """Give each wanted node its `width` most probable children under q [len(wanted), V]."""
+        if width > q.shape[-1]:
+            raise ValueError(f"tree width {width} at depth {self.done + 1} exceeds the vocabulary "
+                             f"({q.shape[-1]} tokens)")
+        top = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]  # [len(wanted), width]
+        new = []
+        for i, node in enumerate(self.wanted):
+            for tok in top[i].tolist():
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.tokens.append(tok)
+                self.rows.append(q[i])
+                new.append(len(self.parents) - 1)
+        self.done += 1
+        return new
+
+    def step(self, q: Tensor) -> None:
+        raise NotImplementedError
+
+    def _build(self, keep: Sequence[int], vocab: int) -> TokenTree:
+        index = {node: i for i, node in enumerate(keep)}  # keep: sorted, ancestor-closed, 0 first
+        rows = [self.rows[n] if n else None for n in keep]
+        zero = torch.zeros(vocab, dtype=rows[1].dtype) if len(rows) > 1 else torch.zeros(vocab)
+        return TokenTree(parents=torch.tensor([-1] + [index[self.parents[n]] for n in keep[1:]]),
+                         depths=torch.tensor([self.depths[n] for n in keep]),
+                         tokens=torch.tensor([self.tokens[n] for n in keep]),
+                         draft_probs=torch.stack([zero if r is None else r for r in rows]), proposal="topk")
+
+    def tree(self, vocab: int) -> TokenTree:
+        return self._build(range(len(self.parents)), vocab)  # type: ignore[arg-type]
+
+
+class _TopkGrowth(TreeGrowth):
+    def __init__(self, shape: TreeWidths) -> None:
+        super().__init__(shape.depth)
+        self.widths = shape.widths
+
+    def step(self, q: Tensor) -> None:
+        new = self._expand(q, self.widths[self.done])
+        self.wanted = new if self.done < self.layers else []
+
+
+class _DynamicGrowth(TreeGrowth):
+    def __init__(self, shape: DynamicTree, layers: int) -> None:
+        super().__init__(layers)
+        self.topk, self.budget = shape.topk, shape.nodes
+        self.value = [1.0]  # per node, its path probability under the draft (float64 products)
+
+    def step(self, q: Tensor) -> None:
+        new = self._expand(q, self.topk)
+        for node in new:  # q <= 1, so a child's value never exceeds its parent's (also in rounding)
+            self.value.append(self.value[self.parents[node]] * float(self.rows[node][self.tokens[node]]))
+        ranked = sorted(new, key=lambda n: -self.value[n])  # stable: ties by creation order
+        self.wanted = sorted(ranked[: self.topk]) if self.done < self.layers else []
+
+    def tree(self, vocab: int) -> TokenTree:
+        ranked = sorted(range(1, len(self.parents)), key=lambda n: -self.value[n])  # ties: creation order
+        keep = sorted([0, *ranked[: self.budget]])
+        assert all(self.parents[n] in keep for n in keep[1:]), "reranking kept a node without its parent"
+        return self._build(keep, vocab)
+
+
+def growth(shape: TreeWidths | DynamicTree, depth: int | None = None) -> TreeGrowth:
+    """A fresh growth of a deterministic shape, cut to `depth` layers (None: the shape's own)."""
+    layers = shape.depth if depth is None else max(0, min(depth, shape.depth))
+    if layers == 0:
+        return TreeGrowth(0)  # the root alone
+    if isinstance(shape, TreeWidths):
+        return _TopkGrowth(TreeWidths(shape.widths[:layers]))
+    return _DynamicGrowth(shape, layers)
+
+
+def grow(state: TreeGrowth, draft_fn: DraftFn, vocab: int | None = None) -> TokenTree:
+    """Run a growth to the end, one `draft_fn` call per step on the wanted nodes' paths."""
+    while state.wanted:
+        q = draft_fn([state.path(n) for n in state.wanted])  # [len(wanted), V]
+        vocab = q.shape[-1]
+        state.step(q)
+    if vocab is None:
+        raise ValueError("a tree without layers needs the vocabulary size")
+    return state.tree(vocab)
+
+
 def topk_tree(widths: TreeWidths | Sequence[int], draft_fn: DraftFn) -> TokenTree:
     """Expand the static top-k tree: depth by depth, one `draft_fn` call on all nodes of the level."""
     shape = widths if isinstance(widths, TreeWidths) else TreeWidths(tuple(widths))
-    parents, depths, tokens, paths = [-1], [0], [-1], [()]
-    rows: list[Tensor] = []
-    level = [0]
-    for d, width in enumerate(shape.widths):
-        q = draft_fn([paths[n] for n in level])  # [len(level), V]
-        if d == 0:
-            rows.append(torch.zeros_like(q[0]))  # the root's row, never read
-        if width > q.shape[-1]:
-            raise ValueError(f"tree width {width} at depth {d + 1} exceeds the vocabulary "
-                             f"({q.shape[-1]} tokens)")
-        top = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]  # [len(level), width]
-        nxt = []
-        for i, node in enumerate(level):
-            for tok in top[i].tolist():
-                parents.append(node)
-                depths.append(d + 1)
-                tokens.append(tok)
-                paths.append(paths[node] + (tok,))
-                rows.append(q[i])
-                nxt.append(len(parents) - 1)
-        level = nxt
-    return TokenTree(parents=torch.tensor(parents), depths=torch.tensor(depths), tokens=torch.tensor(tokens),
-                     draft_probs=torch.stack(rows), proposal="topk")
+    return grow(growth(shape), draft_fn)
+
+
+def dynamic_tree(shape: DynamicTree, draft_fn: DraftFn) -> TokenTree:
+    """EAGLE-2's dynamic tree (module docstring): `shape.depth` calls of `draft_fn`, on the root and then
+    on the topk most valuable nodes of each new layer."""
+    return grow(growth(shape), draft_fn)
 
 
 def chain_tree(chains: Tensor, draft_fn: DraftFn, replacement: bool = True) -> TokenTree:
