@@ -1,19 +1,21 @@
 """Chains vs trees at an equal number of drafted tokens, measured side by side in one run.
 
     python benchmarks/trees.py [--nodes 6] [--reps 3] [--prompts 4] [--max-new-tokens 48]
-                               [--temperature 1] [--json PATH]
+                               [--temperature 1] [--json PATH] [--only LABEL_PART ...]
                                [--target NAME --draft SPEC --dtype bfloat16 --suite humaneval]
 
 On the default pair, or `--target`/`--draft` in `--dtype` with prompts from `--suite` (chat-encoded as
 the suite says, as the core sweep encodes them) (batch 1, one torch thread; at --temperature 0 the
 lossless configurations only),
-every configuration drafts `--nodes` tokens per block (a chain of k = nodes, top-k trees and multi-drafts
-of that many nodes) and decodes the same prompts with the same seeds; the configurations are interleaved
-per prompt (rotated order each repetition), so machine load hits them alike. Per configuration and
-repetition: tokens per target call, drafted tokens per call, tokens/s (wall clock of the whole decode,
-drafting and verification included) and, for the lossy rules (two rules on a top-k tree beside their
-chain versions), the exact per-token TV and overshoot (max law/p) and the sequence log-ratio (mean over
-rows of the sum of log law - log p, the path-level KL estimate; docs/design.md, 'Diagnostics').
+every configuration drafts `--nodes` tokens per block (a chain of k = nodes, top-k trees, EAGLE-2
+dynamic trees and multi-drafts of that many nodes; `--only` keeps the configurations whose label
+contains one of the given parts, plain always) and decodes the same prompts with the same seeds; the
+configurations are interleaved per prompt (rotated order each repetition), so machine load hits them
+alike. Per configuration and repetition: tokens per target call, drafted tokens per call, tokens/s (wall
+clock of the whole decode, drafting and verification included) and, for the lossy rules (two rules on a
+top-k and a dynamic tree beside their chain versions), the exact per-token TV and overshoot (max law/p)
+and the sequence log-ratio (mean over rows of the sum of log law - log p, the path-level KL estimate;
+docs/design.md, 'Diagnostics').
 Printed: medians over repetitions with [min, max]. At --temperature 0 every configuration is greedy
 decoding, so its tokens are compared with plain greedy decoding's on the same backend and dtype; for a
 row that differs, the first differing position and the target's top-2 logit margin there are printed
@@ -35,25 +37,33 @@ from verispec.decode import DecodeConfig, decode_prompts
 from verispec.evaluation.suites import load_suite
 from verispec.models import default_draft, load_drafter, load_model
 from verispec.sampling import SamplingConfig
-from verispec.trees import TreeWidths
+from verispec.tree_decode import shape_nodes
+from verispec.trees import parse_shape
 
 
-def configs(nodes: int, temperature: float) -> list[tuple[str, str, str | None, int]]:
-    """(label, rule, shape, k): plain, then lossless chain / trees / multi-drafts / Traversal of `nodes`
-    drafted tokens, then two lossy rules on a chain and on a top-k tree."""
+def configs(nodes: int, temperature: float,
+            only: list[str] | None = None) -> list[tuple[str, str, str | None, int]]:
+    """(label, rule, shape, k): plain, then lossless chain / top-k trees / EAGLE-2 dynamic trees /
+    multi-drafts / Traversal of `nodes` drafted tokens, then two lossy rules on a chain, a top-k tree and
+    a dynamic tree; with `only`, the labels containing one of its parts (plain always)."""
     trees = {6: ["tree:widths=3,1", "tree:widths=2,2", "tree:widths=2,1,1"],
              4: ["tree:widths=2,1", "tree:widths=1,1,1,1"]}.get(nodes, [])
     if not trees:
         raise SystemExit("--nodes must be 4 or 6")
+    dynamic = {6: ["tree:nodes=6,depth=6,topk=2", "tree:nodes=6,depth=3,topk=2"],
+               4: ["tree:nodes=4,depth=4,topk=2", "tree:nodes=4,depth=2,topk=2"]}[nodes]
     drafts = {6: ["drafts:n=2,depth=3", "drafts:n=3,depth=2"], 4: ["drafts:n=2,depth=2"]}[nodes]
-    for shape in trees:
-        assert TreeWidths(tuple(int(w) for w in shape.split("=")[1].split(","))).nodes == nodes
+    for shape in trees + dynamic + drafts:
+        assert shape_nodes(parse_shape(shape), nodes) == nodes
     out = [("plain", "plain", None, 1), (f"lossless chain k={nodes}", "lossless", None, nodes)]
-    out += [(f"lossless {s}", "lossless", s, nodes) for s in trees]
+    out += [(f"lossless {s}", "lossless", s, nodes) for s in trees + dynamic]
     out += [(f"traversal {trees[0]}", "traversal", trees[0], nodes)]
     out += [(f"lossless {s}", "lossless", s, nodes) for s in drafts]
     for rule in ("lenience:l=0.5", "speccascade:min_p=0.3") if temperature > 0 else ():  # T=0: all lossless
-        out += [(f"{rule} chain k={nodes}", rule, None, nodes), (f"{rule} {trees[0]}", rule, trees[0], nodes)]
+        out += [(f"{rule} chain k={nodes}", rule, None, nodes), (f"{rule} {trees[0]}", rule, trees[0], nodes),
+                (f"{rule} {dynamic[0]}", rule, dynamic[0], nodes)]
+    if only:
+        out = [c for c in out if c[0] == "plain" or any(part in c[0] for part in only)]
     return out
 
 
@@ -68,6 +78,8 @@ def main() -> None:
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default=None, help="drafter spec (default: the target's default draft)")
     parser.add_argument("--dtype", default="float32", help="both models' dtype (float32, bfloat16)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="PART",
+                        help="keep the configurations whose label contains one of these (plain always)")
     parser.add_argument("--suite", default=None, help="prompts from this suite (e.g. humaneval) instead of "
                                                       "the built-in Shakespeare openings")
     args = parser.parse_args()
@@ -82,7 +94,7 @@ def main() -> None:
         prompts = [target.encode(p) for p in PROMPTS[: args.prompts]]
     greedy = args.temperature == 0
     tokens: dict[tuple[str, int], set[tuple[int, ...]]] = {}  # (label, prompt) -> token ids over reps
-    grid = configs(args.nodes, args.temperature)
+    grid = configs(args.nodes, args.temperature, args.only)
     sampling = SamplingConfig(temperature=args.temperature)
     per = {label: [] for label, *_ in grid}  # label -> per repetition: aggregate dict
     warm = DecodeConfig(max_new_tokens=4, tree="tree:widths=2,1")

@@ -187,6 +187,29 @@ def test_greedy_speculative_decoding_equals_plain_greedy(pair, prompt_ids):
 
 
 @with_pair
+def test_greedy_tree_decoding_equals_plain_greedy(pair, prompt_ids):
+    """Trees on the quantized Qwen pair (#24's "both pairs"): llama.cpp has no tree-attention pass here,
+    so tree blocks take the per-path fallback (`verispec.tree_decode.TreeScorer`: one prefix-cached
+    `logits_for` per root-to-leaf path); in exact mode each path's logits equal a one-token step's,
+    so at T=0 every lossless pairing is plain greedy decoding, token for token, alone and in a batch."""
+    from verispec.decode import DecodeConfig, autoregressive_decode_batch, decode_prompts
+    from verispec.models import ModelDrafter
+    from verispec.sampling import SamplingConfig
+
+    target, draft = exact(pair[0]), pair[1]
+    greedy = SamplingConfig(temperature=0)
+    prompts = [prompt_ids, prompt_ids[:-6] + prompt_ids[-5:]]
+    plain = autoregressive_decode_batch(target, prompts, DecodeConfig(max_new_tokens=12, sampling=greedy,
+                                                                      stop_at_eos=False), [None, None])
+    for shape, spec in (("tree:widths=2,1,1", "lossless"), ("tree:nodes=5,depth=4,topk=2", "traversal")):
+        config = DecodeConfig(max_new_tokens=12, sampling=greedy, stop_at_eos=False, tree=shape)
+        outs = decode_prompts(target, prompts, [torch.Generator().manual_seed(i) for i in range(2)], config,
+                              ModelDrafter(draft), spec)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain], shape
+        assert sum(o.target_calls for o in outs) < sum(p.target_calls for p in plain), shape
+
+
+@with_pair
 def test_rule_laws_on_llamacpp_logits(pair, prompt_ids):
     """The rules' exact laws need valid full-vocabulary rows; on the pair's real rows the lossless law
     is the target's and lossy laws are distributions (the rule suites check the laws themselves)."""
