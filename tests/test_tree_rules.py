@@ -523,6 +523,20 @@ def test_dynamic_tree_is_eagle2s_tree(v, nodes, depth, topk, seed):
                                                              key=lambda t: (-q[t], t))
 
 
+def test_top_tokens_are_a_stable_sorts_first():
+    """`top_tokens` (topk bound + a sort of the few tokens above it) against the full stable sort, on rows
+    with many ties (small integer weights), zeros, and widths up to the vocabulary."""
+    from verispec.trees.structure import top_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for v in (1, 2, 5, 50, 1000):
+        q = torch.randint(0, 4, (6, v), generator=gen).float()
+        q[0] = 0.0  # all tied
+        for width in sorted({w for w in (1, 2, v // 2, v) if 1 <= w <= v}):
+            want = torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :width]
+            assert torch.equal(top_tokens(q, width), want), (v, width)
+
+
 def test_dynamic_tree_special_cases():
     tables = Tables(5, seed=3)
     one_layer = dynamic_tree(DynamicTree(3, 1, 3), tables.draft_fn(()))
