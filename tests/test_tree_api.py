@@ -78,6 +78,9 @@ def test_sweep_grid_with_trees():
         SweepSpec(rules=("traversal",)).configs()
     with pytest.raises(ValueError, match="widths"):
         SweepSpec(trees=("tree:widths=0",)).configs()
+    dynamic = SweepSpec(rules=("lenience:l=0.5",), ks=(3, 5), trees=("tree:nodes=4,depth=3,topk=2",))
+    dynamic = dynamic.configs()
+    assert [(c.rule, c.k) for c in dynamic if c.tree] == [("lossless", 3), ("lenience:l=0.5", 3)]  # own depth
 
 
 def test_unit_keys_include_the_tree_and_keep_chain_keys():

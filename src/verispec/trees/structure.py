@@ -308,7 +308,7 @@ def check_depth(depth: int, room: int) -> None:
 def top_tokens(q: Tensor, width: int) -> Tensor:
     """q [n, V] -> [n, width]: each row's `width` most probable tokens, ties by token id: exactly the first
     `width` of a stable descending sort, without sorting the vocabulary (the tokens at least as probable
-    as the width-th largest value, in id order, then stably sorted; 6 ms -> 0.3 ms at V = 49,152)."""
+    as the width-th largest value, in id order, then stably sorted)."""
     kth = torch.topk(q, width, dim=-1).values[:, -1:]  # [n, 1], the width-th largest value of each row
     out = []
     for row, bound in zip(q, kth):
