@@ -10,7 +10,10 @@ run emits the same count):
 - llama.cpp plain: llama-cpp-python's high-level `Llama` on the same GGUF with the same threads;
 - verispec plain decoding of the target on the llama.cpp backend (`qwen2.5-coder-1.5b-gguf`);
 - verispec lossless speculative decoding with the 0.5B draft (`qwen2.5-coder-0.5b-gguf`) at k = 4
-  and at each k of `--ks` (the best is reported).
+  and at each k of `--ks` (the best is reported);
+- with `--lean DTYPE` (e.g. bfloat16): verispec's own lean backend on the same pair (weights dequantised
+  from the same GGUFs into DTYPE, `qwen2.5-coder-1.5b` / `-0.5b`), plain and lossless SD at k = 4, with
+  torch on the same threads (the llama.cpp rows leave torch one thread, for the rule maths only).
 Tokens per second count the whole call (prompt prefill included) for every row. Also the per-call
 costs on the backend: a target 1-token step, a (k+1)-token target pass and a draft step after the
 prompt, c = draft step / target step and v = (k+1)-token pass / target step (Leviathan et al. 2023,
@@ -100,6 +103,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default VERISPEC_THREADS "
                     "or the physical cores)")
     ap.add_argument("--reps", type=int, default=9, help="timed calls per per-call cost")
+    ap.add_argument("--lean", default=None, metavar="DTYPE",
+                    help="also time verispec's lean backend in this dtype (float32, bfloat16), same pair")
     ap.add_argument("--json", default=None, help="default benchmarks/results/llamacpp_pair_{exact,fast}.json")
     args = ap.parse_args()
     if args.threads:
@@ -121,6 +126,27 @@ def main() -> None:
     env["exact"] = target.exact
     print(f"verispec pair loaded in {time.perf_counter() - start:.1f} s "
           f"(weights {target.model_bytes / 1e9:.2f} + {draft.model_bytes / 1e9:.2f} GB)")
+    lean = None
+    if args.lean:
+        from verispec.api import as_dtype
+
+        dtype = as_dtype(args.lean)
+        lean_target = load_model("qwen2.5-coder-1.5b", dtype=dtype)
+        lean = (lean_target, load_model("qwen2.5-coder-0.5b", dtype=dtype))
+        print(f"lean pair loaded in {args.lean}")
+    if llamacpp.extra_buffers_unsafe():
+        # llama.cpp's own defaults crash here (its AMX/repacked layouts, `extra_buffers_unsafe`): its
+        # high-level Llama takes model params from llama_model_default_params, so patch that
+        defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+        def without_extra_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_buffers
+        env["llama_extra_bufts"] = False
+        print("llama.cpp plain runs without its extra weight layouts here (they crash on this CPU)")
     llm = llama_cpp.Llama(model_path=str(target.path), n_ctx=4096, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, n_gpu_layers=0, verbose=False)
     suite = load_suite("humaneval").limit(args.prompts)
@@ -146,6 +172,17 @@ def main() -> None:
                 row[f"sd_k{k}_tokens_per_call"] = spec.block_efficiency
                 if temperature == 0:
                     row[f"sd_k{k}_equals_plain"] = spec.token_ids == plain.token_ids
+            if lean is not None:
+                torch.set_num_threads(threads)
+                lp = autoregressive_decode(lean[0], prompt, config[4], torch.Generator().manual_seed(i))
+                ls = speculative_decode(lean[0], ModelDrafter(lean[1]), prompt, "lossless", config[4],
+                                        torch.Generator().manual_seed(i))
+                torch.set_num_threads(1)
+                row["lean_plain_tps"], row["lean_sd_k4_tps"] = lp.tokens_per_second, ls.tokens_per_second
+                if temperature == 0:
+                    row["lean_sd_equals_plain"] = ls.token_ids == lp.token_ids
+                print(f"  lean {args.lean}: plain {lp.tokens_per_second:.2f} tok/s, SD k=4 "
+                      f"{ls.tokens_per_second:.2f}", flush=True)
             rows.append(row)
             sd = {k: f"{row[f'sd_k{k}_tps']:.2f}" for k in (ks if temperature == 0 else [4])}
             print(f"T={temperature:g} prompt {i} ({len(prompt)} tokens): llama.cpp "
@@ -162,6 +199,7 @@ def main() -> None:
         part = [r for r in rows if r["temperature"] == temperature]
         keys = ["llama_plain_tps", "verispec_plain_tps"]
         keys += [f"sd_k{k}_tps" for k in (ks if temperature == 0 else [4])]
+        keys += ["lean_plain_tps", "lean_sd_k4_tps"] if lean is not None else []
         summary[temperature] = {key: statistics.mean(r[key] for r in part) for key in keys}
     best = max(ks, key=lambda k: summary[0.0][f"sd_k{k}_tps"])
     print(f"\nper call, prompt 0 ({len(prompts[0])} tokens), median of {args.reps}: target step "
@@ -177,6 +215,17 @@ def main() -> None:
         print(f"| {temperature:g} | {lp:.2f} | {s['verispec_plain_tps']:.2f} | {s['sd_k4_tps']:.2f} | "
               f"{bt:.2f} (k={bk}) | {s['verispec_plain_tps'] / lp:.2f} | {s['sd_k4_tps'] / lp:.2f} | "
               f"{bt / lp:.2f} |")
+    if lean is not None:
+        print(f"\n| T | lean {args.lean} plain tok/s | lean SD k=4 tok/s | lean plain / llama.cpp plain | "
+              "lean SD k=4 / llama.cpp plain |")
+        print("|---|---|---|---|---|")
+        for temperature, s in summary.items():
+            lp = s["llama_plain_tps"]
+            print(f"| {temperature:g} | {s['lean_plain_tps']:.2f} | {s['lean_sd_k4_tps']:.2f} | "
+                  f"{s['lean_plain_tps'] / lp:.2f} | {s['lean_sd_k4_tps'] / lp:.2f} |")
+        same_lean = sum(r["lean_sd_equals_plain"] for r in rows if r["temperature"] == 0)
+        print(f"lean greedy SD == lean plain greedy on {same_lean}/{len(prompts)} prompts (bf16 rounds a "
+              "multi-token pass differently from a one-token step)")
     exact = all(r[f"sd_k{k}_equals_plain"] for r in rows if r["temperature"] == 0 for k in ks)
     same = sum(r["plain_equals_llama"] for r in rows if r["temperature"] == 0)
     print(f"greedy SD == plain greedy on every prompt and k: {exact}; verispec plain == llama.cpp greedy on "

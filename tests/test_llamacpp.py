@@ -209,6 +209,33 @@ def test_greedy_tree_decoding_equals_plain_greedy(pair, prompt_ids):
         assert sum(o.target_calls for o in outs) < sum(p.target_calls for p in plain), shape
 
 
+def test_extra_buffers_stay_off_where_ggml_has_its_amx_layout(monkeypatch):
+    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV, raising=False)
+    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AMX_INT8": "1", "REPACK": "1"})
+    assert llamacpp.extra_buffers_unsafe()
+    monkeypatch.setenv(llamacpp.EXTRA_BUFTS_ENV, "1")
+    assert not llamacpp.extra_buffers_unsafe()
+    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV)
+    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AVX512": "1", "REPACK": "1"})
+    assert not llamacpp.extra_buffers_unsafe()
+
+
+@with_pair
+def test_fast_mode_decodes(pair, prompt_ids):
+    """exact=False (llama.cpp's fast kernels): rows decode, in a batch too. On an AMX CPU its extra
+    weight layouts crashed the process at the first decode (segfault); they stay off there."""
+    draft = llamacpp.load_llamacpp(pair[1].path, tokenizer=pair[1].tokenizer, exact=False)
+    assert not draft.exact and not draft.batch_invariant
+    batch = draft.batch_session()
+    out = batch.logits_for([0, 1], [torch.tensor(prompt_ids), torch.tensor(prompt_ids[:-2])], [2, 1])
+    assert [o.shape for o in out] == [(2, draft.vocab_size), (1, draft.vocab_size)]
+    assert all(bool(torch.isfinite(o).all()) for o in out)
+    exact_row = pair[1].session().logits_for(torch.tensor([prompt_ids]), 1)[0, -1]  # [V]
+    top = exact_row.topk(2).values
+    assert float(top[0] - top[1]) > 1.0  # a clear argmax: other kernels (logits moved by <= 0.5) keep it
+    assert int(out[0][-1].argmax()) == int(exact_row.argmax())  # same model, other kernels
+
+
 @with_pair
 def test_rule_laws_on_llamacpp_logits(pair, prompt_ids):
     """The rules' exact laws need valid full-vocabulary rows; on the pair's real rows the lossless law

@@ -84,6 +84,21 @@ def build_features() -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
+EXTRA_BUFTS_ENV = "VERISPEC_LLAMACPP_EXTRA_BUFTS"  # 1: repacked / AMX layouts even where they crashed
+
+
+def extra_buffers_unsafe() -> bool:
+    """Whether llama.cpp's extra weight layouts (`use_extra_bufts`) are kept off in fast mode too: where
+    this build has ggml's AMX layout (`AMX_INT8 = 1`: the CPU has AMX tiles), unless
+    `$VERISPEC_LLAMACPP_EXTRA_BUFTS=1`. Measured 2026-12-03 on an Intel Xeon with AMX (2-core VM),
+    llama-cpp-python 0.3.36 built with GGML_NATIVE: the first `llama_decode` of either Qwen GGUF
+    segfaults with them on, in verispec and in llama-cpp-python's own `Llama` alike, and runs with
+    them off (benchmarks/RESULTS.md, 'llama.cpp fast mode on an AMX CPU')."""
+    if os.environ.get(EXTRA_BUFTS_ENV, "").strip() == "1":
+        return False
+    return build_features().get("AMX_INT8") == "1"
+
+
 def invariance_breakers() -> list[str]:
     """What keeps this process from batch-invariant logits in exact mode (empty: nothing)."""
     found = []
@@ -124,7 +139,7 @@ class LlamaCppModel:
     stream of this size, so its cells start at 0 as in a batch-1 session: the attention sums in the
     same order); n_batch: the most tokens one `llama_decode` call takes (longer feeds are split); exact:
     batch-invariant kernels (module docstring), whose success `batch_invariant` reports; False runs
-    llama.cpp's fastest defaults."""
+    llama.cpp's fastest defaults (but the extra weight layouts where they crash: `extra_buffers_unsafe`)."""
 
     backend = BACKEND
 
@@ -143,7 +158,13 @@ class LlamaCppModel:
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        params.use_extra_bufts = not exact  # repacked layouts: another kernel for 1 row than for many
+        # repacked layouts: another kernel for 1 row than for many (off in exact mode); off in fast mode
+        # too where they crash (`extra_buffers_unsafe`)
+        unsafe = not exact and extra_buffers_unsafe()
+        if unsafe:
+            log.warning("%s: llama.cpp's repacked/AMX weight layouts stay off on this CPU (they crashed the "
+                        "first decode on an AMX CPU; %s=1 turns them on)", name, EXTRA_BUFTS_ENV)
+        params.use_extra_bufts = not exact and not unsafe
         handle = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not handle:
             raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model file it supports)")
