@@ -298,7 +298,7 @@ def check_depth(depth: int, room: int) -> None:
     """ValueError unless a tree of `depth` fits in the `room` positions left in the context."""
     if depth > room:
         raise ValueError(f"tree depth {depth} exceeds the {room} positions left in the context; "
-                         "use fewer widths (or a smaller drafts depth) or a shorter prompt")
+                         "use fewer widths (or a smaller depth) or a shorter prompt")
 
 
 # ---------------------------------------------------------------------------------------------
