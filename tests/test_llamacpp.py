@@ -41,6 +41,17 @@ def exact(model):
 
 
 # -- pure helpers (no llama.cpp) ---------------------------------------------------------------------
+def test_extra_buffers_stay_off_where_ggml_has_its_amx_layout(monkeypatch):
+    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV, raising=False)
+    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AMX_INT8": "1", "REPACK": "1"})
+    assert llamacpp.extra_buffers_unsafe()
+    monkeypatch.setenv(llamacpp.EXTRA_BUFTS_ENV, "1")
+    assert not llamacpp.extra_buffers_unsafe()
+    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV)
+    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AVX512": "1", "REPACK": "1"})
+    assert not llamacpp.extra_buffers_unsafe()
+
+
 def test_agreeing_prefix_keeps_the_last_n_tokens_to_refeed():
     held = torch.tensor([1, 2, 3, 4, 5])
     assert llamacpp.agreeing_prefix(held, torch.tensor([1, 2, 3, 4, 5, 6]), 1) == 5
@@ -207,17 +218,6 @@ def test_greedy_tree_decoding_equals_plain_greedy(pair, prompt_ids):
                               ModelDrafter(draft), spec)
         assert [o.token_ids for o in outs] == [p.token_ids for p in plain], shape
         assert sum(o.target_calls for o in outs) < sum(p.target_calls for p in plain), shape
-
-
-def test_extra_buffers_stay_off_where_ggml_has_its_amx_layout(monkeypatch):
-    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV, raising=False)
-    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AMX_INT8": "1", "REPACK": "1"})
-    assert llamacpp.extra_buffers_unsafe()
-    monkeypatch.setenv(llamacpp.EXTRA_BUFTS_ENV, "1")
-    assert not llamacpp.extra_buffers_unsafe()
-    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV)
-    monkeypatch.setattr(llamacpp, "build_features", lambda: {"AVX512": "1", "REPACK": "1"})
-    assert not llamacpp.extra_buffers_unsafe()
 
 
 @with_pair
