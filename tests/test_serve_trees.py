@@ -70,6 +70,7 @@ def same_as_local(r, out, report) -> None:
     (["--tree", "n=2", "--rule", "lenience:l=0.5"], "is lossy on sampled drafts"),
     (["--rule", "traversal"], "'traversal' is a tree rule: give a tree draft"),
     (["--tree", "8,8"], "drafts 72 nodes per block, more than this server's --max-tree-nodes 64"),
+    (["--tree", "nodes=8,depth=6,topk=12"], "creates 732 candidates per block while drafting, more than 8 x"),
     (["--tree", "n=3", "--k", "8", "--max-tree-nodes", "20"], "drafts 24 nodes per block"),
     (["--tree", "2", "--draft", "none"], "--tree tree:widths=2 needs a draft model"),
 ])
@@ -200,6 +201,7 @@ BAD = [  # (verification, other fields, status-400 param, words of the message)
     ({"tree": "tree:nodes=9,depth=2,topk=2"}, {}, "verification.tree", "exceeds the 6 candidates"),
     ({"tree": "tree:nodes=3,depth=2,topk=5000"}, {}, "verification.tree", "exceeds the vocabulary (4096"),
     ({"tree": "tree:nodes=65,depth=5,topk=4"}, {}, "verification.tree", "65 nodes per block"),
+    ({"tree": "tree:nodes=8,depth=6,topk=12"}, {}, "verification.tree", "creates 732 candidates per block"),
     ({"tree": "tree:widths=2,0"}, {}, "verification.tree", "widths must be one or more integers >= 1"),
     ({"tree": "drafts:n=0"}, {}, "verification.tree", "n=0 is out of range"),
     ({"tree": 3}, {}, "verification.tree", "must be a draft shape string"),

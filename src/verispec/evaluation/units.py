@@ -167,9 +167,9 @@ class SweepSpec:
 def tree_configs(trees: Sequence[str], rules: Sequence[str], ks: Sequence[int],
                  temperatures: Sequence[float]) -> list[RunConfig]:
     """Per tree shape: lossless and every rule of `rules` that is a tree rule (`traversal` included;
-    chain-only rules are left out); lossy rules only on top-k trees (their exact laws need a tree that
-    is a function of the prefix). A `tree:widths` shape fixes its depth (k = its number of widths);
-    `drafts:n` without a depth takes each k of the grid."""
+    chain-only rules are left out); lossy rules only on deterministic (top-k and dynamic) trees (their
+    exact laws need a tree that is a function of the prefix). A `tree:widths` or dynamic shape fixes its
+    depth (k = its number of levels); `drafts:n` without a depth takes each k of the grid."""
     out = []
     for text in trees:
         shape = parse_shape(text)  # ValueError on a bad shape

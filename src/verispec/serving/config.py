@@ -12,7 +12,7 @@ from verispec import defaults
 from verispec.api import parse_draft_shape
 from verispec.rules import Rule
 from verispec.tree_decode import shape_nodes, tree_verification_rule
-from verispec.trees import DraftShape
+from verispec.trees import DraftShape, DynamicTree
 
 MAX_SEED = 2**63 - 1
 
@@ -105,13 +105,23 @@ class ServeConfig:
         return None if self.tree is None else parse_draft_shape(self.tree)
 
 
+DYNAMIC_POOL_FACTOR = 8  # a dynamic tree may create up to 8 x --max-tree-nodes candidates while drafting
+
+
 def check_tree_nodes(shape: DraftShape, k: int, limit: int, where: str) -> None:
     """ValueError unless a full block of `shape` (k: the depth of drafts:n without one) drafts at most
-    `limit` nodes (--max-tree-nodes): a tree's target pass grows with its nodes."""
+    `limit` nodes (--max-tree-nodes): a tree's target pass grows with its nodes. A dynamic tree keeps
+    `nodes` of a candidate pool it builds while drafting (topk + (depth - 1) topk^2 nodes, a draft pass
+    scoring up to topk * depth + 1 of them): the pool is bounded too, by DYNAMIC_POOL_FACTOR x `limit`,
+    so one request cannot ask for billions of candidates (tree:nodes=1,depth=400,topk=4000)."""
     nodes = shape_nodes(shape, k)
     if nodes > limit:
         raise ValueError(f"{where} {shape.spec} drafts {nodes} nodes per block, more than this server's "
                          f"--max-tree-nodes {limit}: use fewer or narrower levels (or fewer drafts)")
+    if isinstance(shape, DynamicTree) and shape.candidates(shape.depth) > DYNAMIC_POOL_FACTOR * limit:
+        raise ValueError(f"{where} {shape.spec} creates {shape.candidates(shape.depth)} candidates per block "
+                         f"while drafting, more than {DYNAMIC_POOL_FACTOR} x this server's --max-tree-nodes "
+                         f"{limit}: use a smaller topk or depth")
 
 
 def check_port(port) -> int:

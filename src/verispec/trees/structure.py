@@ -275,8 +275,12 @@ def parse_shape(spec: str) -> DraftShape:
     if name == "tree":
         key, eq, text = (s.strip() for s in args.partition("="))
         if key in ("nodes", "depth", "topk"):
-            values = parse_params("draft shape", "tree", args, DYNAMIC_PARAMS,
-                                  required=("nodes", "depth", "topk"))
+            try:
+                values = parse_params("draft shape", "tree", args, DYNAMIC_PARAMS,
+                                      required=("nodes", "depth", "topk"))
+            except ValueError as err:
+                raise ValueError(f"{err} (tree:nodes=N,depth=D,topk=K is EAGLE-2's dynamic tree; tree:widths="
+                                 "W1,W2,... a static one; drafts:n=N,depth=D sampled chains)") from None
             return DynamicTree(**values)  # type: ignore[arg-type]
         if key != "widths" or not eq:
             raise ValueError(f"draft shape 'tree' takes widths=W1,W2,... (a static top-k tree, e.g. "
@@ -399,7 +403,9 @@ class _DynamicGrowth(TreeGrowth):
         for node in new:  # q <= 1, so a child's value never exceeds its parent's (also in rounding)
             self.value.append(self.value[self.parents[node]] * float(self.rows[node][self.tokens[node]]))
         ranked = sorted(new, key=lambda n: -self.value[n])  # stable: ties by creation order
-        self.wanted = sorted(ranked[: self.topk]) if self.done < self.layers else []
+        # expanded in value order, as EAGLE-2's code does (its children are created in that order, which
+        # decides later ties); node ids stay topological (children are always created after parents)
+        self.wanted = ranked[: self.topk] if self.done < self.layers else []
 
     def tree(self, vocab: int) -> TokenTree:
         ranked = sorted(range(1, len(self.parents)), key=lambda n: -self.value[n])  # ties: creation order
