@@ -212,3 +212,18 @@ def test_as_a_non_root_user_bubblewrap_runs_in_a_user_namespace(tmp_path):
     if kind != "bwrap":
         pytest.skip("bubblewrap cannot start for an unprivileged user here (no user namespaces)")
     assert (wrote, uid_ok, fork_ok, bomb) == (False, True, True, "process limit") and not target.exists()
+
+
+def test_an_interpreter_under_tmp_is_bound_back_into_the_private_tmp(monkeypatch):
+    """The sandbox mounts an empty tmpfs on /tmp; a checkout or venv there (a CI clone under /tmp) must be
+    bound back read-only, or bubblewrap cannot start its interpreter (measured: the sandbox fell back to
+    resource limits in a clone under /tmp, and the unshare fallback failed the cpu-limit test there)."""
+    from verispec.evaluation import sandbox
+
+    monkeypatch.setattr(sandbox, "_python_paths", lambda: ["/tmp/ci/.venv", "/usr"])
+    for root in (False, True):
+        cmd = sandbox._bwrap_command("bwrap", root)
+        at = cmd.index("/tmp/ci/.venv")
+        assert cmd[at - 1 : at + 2] == ["--ro-bind", "/tmp/ci/.venv", "/tmp/ci/.venv"]
+        assert at > cmd.index("--tmpfs")  # after the private /tmp, so it shows through
+        assert "/usr" not in cmd[cmd.index("--tmpfs") + 2 :]  # paths outside /tmp are already visible
