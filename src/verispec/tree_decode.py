@@ -291,17 +291,19 @@ def draft_trees(scorer: TreeScorer, rows: Sequence[int], contexts: Sequence[Tens
     states = [growth(shape, depth) for depth in depths]
     passes = [0] * len(rows)
     while active := [i for i, state in enumerate(states) if state.wanted]:
-        scored = [states[i].scored() for i in active]  # per row: node ids, the root first
+        indices = []  # per row: node id -> its place in the scored subtree (the root first)
         tokens, parents = [], []
-        for i, nodes in zip(active, scored):
+        for i in active:
+            nodes = states[i].scored()
             index = {node: j for j, node in enumerate(nodes)}
+            indices.append(index)
             tokens.append(torch.tensor([int(contexts[i][-1])] + [states[i].tokens[n] for n in nodes[1:]]))
             parents.append(torch.tensor([-1] + [index[states[i].parents[n]] for n in nodes[1:]]))
         logits = scorer.score([rows[i] for i in active], [contexts[i] for i in active], tokens,
                               parents)  # per row [len(nodes), V]
         scorer.rollback()
-        for i, nodes, row_logits in zip(active, scored, logits):
-            at = [nodes.index(n) for n in states[i].wanted]
+        for i, index, row_logits in zip(active, indices, logits):
+            at = [index[n] for n in states[i].wanted]
             states[i].step(process(row_logits[at], SamplingConfig()))  # [len(wanted), V], the draft's own law
             passes[i] += 1
     return [state.tree(vocab) for state in states], passes

@@ -116,11 +116,11 @@ def _bwrap_command(bwrap: str, root: bool) -> list[str]:
     cmd = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
            "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--clearenv"]
+    python = _python_paths()
     # an interpreter under /tmp (a checkout or venv there) would be hidden by the private /tmp: bind it back
-    under_tmp = [p for p in _python_paths() if p == "/tmp" or p.startswith("/tmp/")]
+    under_tmp = [p for p in python if p == "/tmp" or p.startswith("/tmp/")]
     cmd += [arg for p in under_tmp for arg in ("--ro-bind", p, p)]
     if root:
-        python = _python_paths()
         for top in _hidden_ancestors(python):
             cmd += ["--perms", "0755", "--tmpfs", top]
             cmd += [arg for p in python if p.startswith(top + "/") for arg in ("--ro-bind", p, p)]

@@ -187,6 +187,15 @@ class TreeWidths:
         return max(self.widths)
 
 
+def _check_ints(kind: str, params: tuple[Param, ...], values: dict[str, object]) -> None:
+    """ValueError unless each given value is an int (not a bool) that its parameter's check accepts."""
+    for param in params:
+        value = values.get(param.key)
+        if param.key in values and (not isinstance(value, int) or isinstance(value, bool)
+                                    or not param.check(value)):
+            raise ValueError(f"{kind}: {param.key}={value!r} is out of range; allowed: {param.allowed}")
+
+
 DYNAMIC_PARAMS = (
     Param("nodes", int, "nodes >= 1", lambda v: v >= 1, "drafted nodes kept for verification"),
     Param("depth", int, "depth >= 1", lambda v: v >= 1, "layers expanded"),
@@ -204,11 +213,7 @@ class DynamicTree:
     topk: int
 
     def __post_init__(self) -> None:
-        values = {"nodes": self.nodes, "depth": self.depth, "topk": self.topk}
-        for param in DYNAMIC_PARAMS:
-            value = values[param.key]
-            if not isinstance(value, int) or isinstance(value, bool) or not param.check(value):
-                raise ValueError(f"tree: {param.key}={value!r} is out of range; allowed: {param.allowed}")
+        _check_ints("tree", DYNAMIC_PARAMS, {"nodes": self.nodes, "depth": self.depth, "topk": self.topk})
         if self.nodes > self.candidates(self.depth):
             raise ValueError(f"tree: nodes={self.nodes} exceeds the {self.candidates(self.depth)} candidates "
                              f"that depth={self.depth}, topk={self.topk} drafts (topk + (depth-1) * topk^2)")
@@ -248,11 +253,7 @@ class MultiDraft:
         values = {"n": self.n, "replacement": self.replacement}
         if self.depth is not None:
             values["depth"] = self.depth
-        for param in MULTI_PARAMS:
-            if param.key in values and (not isinstance(values[param.key], int)
-                                        or not param.check(values[param.key])):
-                raise ValueError(f"drafts: {param.key}={values[param.key]!r} is out of range; "
-                                 f"allowed: {param.allowed}")
+        _check_ints("drafts", MULTI_PARAMS, values)
 
     @property
     def spec(self) -> str:
