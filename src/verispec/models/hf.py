@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from verispec.models import lean
 from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession, named_token_ids
+from verispec.models.int4 import Int4Plan
 from verispec.models.lean import SHARE_ABOVE, LeanBatchSession, LeanLlama, LeanSession
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,13 @@ class HFModel:
     """
 
     def __init__(self, model, tokenizer, name: str, backend: str | None = None,
-                 stop_tokens: tuple[str, ...] = ()):
+                 stop_tokens: tuple[str, ...] = (), int4: Int4Plan | None = None):
         backend = backend or os.environ.get("VERISPEC_BACKEND", "auto")
         if backend not in ("auto", "lean", "hf"):
             raise ValueError(f"backend must be auto, lean or hf, got {backend!r}")
+        if int4 is not None and backend == "hf":
+            raise ValueError("int4 weights run in the lean backend only; not with backend 'hf'")
+        self.int4 = int4  # which projections the lean forward holds as int4 codes (verispec.models.int4)
         if backend == "lean" and not lean.supports(model):
             raise ValueError(
                 f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
@@ -68,7 +72,7 @@ class HFModel:
 
     def _lean_model(self):
         if self._lean is None:
-            self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype)
+            self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4)
         return self._lean
 
     def session(self):
@@ -113,7 +117,15 @@ class HFModel:
         draft = shallow(self.model)
         draft.config = config
         draft.model = inner
-        return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]", backend=self.backend)
+        return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]", backend=self.backend,
+                       int4=self.int4)
+
+    def with_int4(self, plan: Int4Plan, name: str) -> HFModel:
+        """The same transformers model, run by the lean forward with the projections `plan` picks held as
+        int4 codes (bf16 compute: load the model in bfloat16); a new model object named `name`."""
+        model = HFModel(self.model, self.tokenizer, name, backend="lean", int4=plan)
+        model.stop_token_ids = self.stop_token_ids
+        return model
 
 
 class HFSession(CachedSession):

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from verispec.models.base import CachedSession, check_batch_request
+from verispec.models.int4 import DENSE_ABOVE, Int4Linear, Int4Plan
+from verispec.models.int4 import available as int4_kernels
 
 
 def supports(model) -> bool:
@@ -85,7 +87,7 @@ class Linear:
         # mild loss), as for batch 1.
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
-        if x.numel() > x.shape[-1] and self.packed is not None:
+        if self.packed is not None and (x.numel() > x.shape[-1] or x.dtype == torch.bfloat16):
             flat = x.reshape(-1, x.shape[-1])  # [B*m, in]
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], -1)  # [B, m, out]
@@ -96,7 +98,7 @@ class Linear:
 SHARE_ABOVE = 500_000_000  # parameters; see `_alias`
 
 
-def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
+def _alias(param: torch.nn.Parameter, linear: Linear | Int4Linear, lo: int, hi: int) -> None:
     """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
     values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
     is 7 GB per copy, its 0.5B draft 2.5 GB: both must fit in 24 GB beside oneDNN's packed copies).
@@ -104,7 +106,8 @@ def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
     SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so its forward
     (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched; a benchmark timing
     transformers' forward on a larger model loads a copy that never builds lean weights."""
-    src = linear.weight_t
+    linear = getattr(linear, "dense", linear)  # an Int4Linear's dense twin holds its weights, if any
+    src = getattr(linear, "weight_t", None)
     if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
         return
     view = src[:, lo:hi].t()  # [out, in], strided
@@ -119,12 +122,17 @@ def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
 class LeanLlama:
     """Weights of a transformers Llama model, laid out for a fast incremental forward."""
 
-    def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, int4: Int4Plan | None = None):
+        """`int4`: which projections to hold as int4 codes (`verispec.models.int4`; bf16 compute only)."""
         if not supports(hf_model):
             raise ValueError("the lean backend supports Llama and Qwen2 (no sliding window) models with "
                              f"default RoPE, got {hf_model.config.model_type}")
+        if int4 is not None and (dtype != torch.bfloat16 or not int4_kernels()):
+            raise ValueError("int4 weights need bf16 compute and torch's CPU int4 kernels "
+                             f"(dtype {dtype}, kernels available: {int4_kernels()})")
         cfg = hf_model.config
         share = sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE  # one weight copy: `_alias`
+        self.int4 = int4 is not None
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
         self.n_heads = cfg.num_attention_heads
@@ -133,22 +141,35 @@ class LeanLlama:
         self.eps = cfg.rms_norm_eps
         inner = hf_model.model
         cast = lambda t: t.detach().to(dtype)  # noqa: E731
+
+        def linear(names: list[str], weight: Tensor, bias: Tensor | None = None,
+                   prefill: bool = True) -> Linear | Int4Linear:
+            """Dense, or int4 codes where the plan gives them (with the dense twin for prompts when
+            `prefill`: `Int4Linear`; not for the head, whose rows are the logits asked for, not a feed)."""
+            codes = None if int4 is None else int4(names, weight)
+            if codes is None:
+                return Linear(weight, bias)
+            return Int4Linear(*codes, bias, dense=Linear(weight, bias) if prefill else None)
+
         self.embed = cast(inner.embed_tokens.weight)
         self.layers = []
-        for layer in inner.layers[: cfg.num_hidden_layers]:
+        for i, layer in enumerate(inner.layers[: cfg.num_hidden_layers]):
             att, mlp = layer.self_attn, layer.mlp
             bias = None
             if att.q_proj.bias is not None:
                 bias = cast(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]))
+            name = f"model.layers.{i}.{{}}.weight".format
             self.layers.append({
                 "norm_in": cast(layer.input_layernorm.weight),
                 "norm_post": cast(layer.post_attention_layernorm.weight),
-                "qkv": Linear(cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
-                               bias),
-                "o": Linear(cast(att.o_proj.weight),
-                             None if att.o_proj.bias is None else cast(att.o_proj.bias)),
-                "gate_up": Linear(cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
-                "down": Linear(cast(mlp.down_proj.weight)),
+                "qkv": linear([name(f"self_attn.{x}_proj") for x in "qkv"],
+                              cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                              bias),
+                "o": linear([name("self_attn.o_proj")], cast(att.o_proj.weight),
+                            None if att.o_proj.bias is None else cast(att.o_proj.bias)),
+                "gate_up": linear([name("mlp.gate_proj"), name("mlp.up_proj")],
+                                  cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
+                "down": linear([name("mlp.down_proj")], cast(mlp.down_proj.weight)),
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
@@ -166,7 +187,7 @@ class LeanLlama:
             _alias(mlp.down_proj.weight, w["down"], 0, mlp.down_proj.weight.shape[0])
         self.norm = cast(inner.norm.weight)
         head = hf_model.get_output_embeddings().weight
-        self.head = Linear(cast(head))
+        self.head = linear(["lm_head.weight"], cast(head), prefill=False)
         if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
             _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
@@ -200,9 +221,11 @@ class LeanLlama:
         there)."""
         return self.head(self._rms(hidden, self.norm)).float().cpu()
 
-    def hidden(self, tokens: Tensor, cache) -> Tensor:
+    def hidden(self, tokens: Tensor, cache, dense: bool = False) -> Tensor:
         """tokens [B, m] at positions cache.length .. +m -> last hidden states [B, m, d]; extends the
-        cache (a `LeanCache`, or `_SlotView` of one row of a `LeanBatchCache`)."""
+        cache (a `LeanCache`, or `_SlotView` of one row of a `LeanBatchCache`). `dense`: int4 projections
+        use their dense twins (a long context pass, `verispec.models.int4.Int4Linear`)."""
+        mm = (lambda lin: getattr(lin, "dense", None) or lin) if dense else (lambda lin: lin)  # noqa: E731
         b, m = tokens.shape
         start = cache.length
         end = start + m
@@ -218,7 +241,7 @@ class LeanLlama:
         x = self.embed[tokens.to(self.device)]  # [B, m, d]
         for i, w in enumerate(self.layers):
             h = self._rms(x, w["norm_in"])
-            qkv = w["qkv"](h)  # [B, m, nq + 2 nkv]
+            qkv = mm(w["qkv"])(h)  # [B, m, nq + 2 nkv]
             q = qkv[..., :nq].view(b, m, self.n_heads, hd).transpose(1, 2)  # [B, H, m, hd]
             k = qkv[..., nq : nq + nkv].view(b, m, self.n_kv, hd).transpose(1, 2)  # [B, Hkv, m, hd]
             v = qkv[..., nq + nkv :].view(b, m, self.n_kv, hd).transpose(1, 2)
@@ -226,10 +249,10 @@ class LeanLlama:
             keys, values = cache.write(i, start, k, v)  # [B, Hkv, end, hd]
             att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                  enable_gqa=self.n_kv != self.n_heads)
-            x = x + w["o"](att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
+            x = x + mm(w["o"])(att.transpose(1, 2).reshape(b, m, nq))  # [B, m, d]
             h = self._rms(x, w["norm_post"])
-            gate, up = w["gate_up"](h).chunk(2, -1)
-            x = x + w["down"](F.silu(gate) * up)
+            gate, up = mm(w["gate_up"])(h).chunk(2, -1)
+            x = x + mm(w["down"])(F.silu(gate) * up)
         cache.length = end
         return x
 
@@ -266,6 +289,7 @@ class LeanSession(CachedSession):
         super().__init__()
         self.owner, self.lean = owner, lean
         self.cache = LeanCache(lean)
+        self.split_context = lean.int4
 
     def _crop(self, length: int) -> None:
         self.cache.length = min(self.cache.length, length)  # the buffer keeps its storage
@@ -274,6 +298,11 @@ class LeanSession(CachedSession):
     def _feed(self, tokens: Tensor) -> Tensor:
         self.owner.calls += 1
         return self.lean.forward(tokens, self.cache)
+
+    @torch.inference_mode()
+    def _feed_context(self, tokens: Tensor) -> None:
+        self.owner.calls += 1
+        self.lean.hidden(tokens, self.cache, dense=tokens.shape[1] > DENSE_ABOVE)
 
 
 # -- batched: many rows in one forward pass, each row with its own cache length ----------------------
@@ -464,6 +493,22 @@ class LeanBatchSession:
     @torch.inference_mode()
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)
+        feeds, slots = self._feeds(rows, tokens, n)
+        if self.lean.int4:
+            # int4 projections: each row's context (the positions before its last n) in a pass of its
+            # own, dense when long (`verispec.models.int4.Int4Linear`), then every row's last n together
+            for i, (feed, count) in enumerate(zip(feeds, n)):
+                if feed.shape[0] > count:
+                    self.owner.calls += 1
+                    context = feed[None, : feed.shape[0] - count]  # [1, c]
+                    view = _SlotView(self.cache, slots[i])
+                    self.lean.hidden(context, view, dense=context.shape[1] > DENSE_ABOVE)
+                    feeds[i] = feed[-count:]
+        return self._pass(rows, tokens, n, feeds, slots)
+
+    def _feeds(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> tuple[list, list]:
+        """Per row: the tokens to feed after the longest cached prefix that agrees (the slot's length is
+        cut to it), and the row's slot."""
         feeds, slots = [], []
         for row, seq, count in zip(rows, tokens, n):
             seq = seq.to(torch.long).cpu()
@@ -478,6 +523,11 @@ class LeanBatchSession:
             self.cache.lengths[slot] = common
             feeds.append(seq[common:])
             slots.append(slot)
+        return feeds, slots
+
+    def _pass(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int], feeds: list[Tensor],
+              slots: list[int]) -> list[Tensor]:
+        """One forward pass over `feeds` (rows in their slots): each row's last n logits."""
         self.owner.calls += 1
         if len(rows) == 1:  # one row: the batch-1 pass on its slot, without padding, gathers or index tensors
             x = self.lean.hidden(feeds[0][None], _SlotView(self.cache, slots[0]))[0]  # [m, d]

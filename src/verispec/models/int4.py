@@ -1,0 +1,166 @@
+"""Weight-only int4 matmuls for the lean forward (bf16 activations), and where their codes come from.
+
+A decoding step reads every weight once, so on a CPU its time is the bytes of weights it reads
+(docs/design.md 'Backends'; benchmarks/RESULTS.md 'int4 weights in the lean forward'). Storing a
+projection as 4-bit codes with a bf16 scale and zero per group of 32 inputs (the layout of torch's CPU
+kernel `_weight_int4pack_mm_for_cpu`) reads about a third of its bf16 bytes. Logits stay float32 over
+the whole vocabulary, so every rule's exact law is computed as before, of this model.
+
+Two sources of codes (an `Int4Plan`: the HF names of a (fused) projection and its dense weight ->
+codes, scales and mins, or None to keep it dense):
+
+- `Q4KPlan`: the GGUF's own Q4_K codes (llama.cpp's k-quants store, per group of 32 weights,
+  w = d * sc * q - dmin * m with q in 0..15), only for tensors the GGUF stores as Q4_K; every other
+  tensor (Q6_K, Q5_0, Q8_0, ...) stays dense. So the int4 target reads 4 bits exactly where the file
+  has 4 bits, and differs from the bf16 dequantisation only in where it rounds (bf16 scale and zero
+  instead of bf16 weights). Checked at load: decoding the codes and rounding to the dense dtype gives the
+  dense weight bit for bit, or loading refuses.
+- `requantize`: min/max int4 quantisation of any dense weight (group 32, asymmetric). Lossy: meant for
+  drafts, whose numerics never change the output law of a lossless rule.
+
+The kernel computes each output row from its own input row only (no split of the reduction by the
+row count), so a one-token step and a (k+1)-token verification give bit-identical rows: greedy
+speculative decoding equals greedy decoding, and rows of a batch equal rows alone, at these matmuls
+(tests/test_int4.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+GROUP = 32  # inputs per scale/zero pair: a Q4_K sub-block
+# codes int32 [out, in] in 0..15, scales [out, in/32], mins [out, in/32]: w = code * scale + min
+Codes = tuple[Tensor, Tensor, Tensor]
+Int4Plan = Callable[[Sequence[str], Tensor], "Codes | None"]
+
+
+def available() -> bool:
+    """Whether this torch build has the CPU int4 kernels."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def dequantize(codes: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
+    """w = q * scale + min per group of 32 inputs, float32 [out, in] (the reference of `Int4Linear`)."""
+    out, inp = codes.shape
+    groups = codes.view(out, inp // GROUP, GROUP).float()  # [out, in/32, 32]
+    return (groups * scales.float()[..., None] + mins.float()[..., None]).view(out, inp)
+
+
+DENSE_ABOVE = 16  # a context pass longer than this many tokens runs the dense twins (see Int4Linear)
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W held as int4 codes; x [..., in] bf16 -> y [..., out] bf16.
+
+    torch's kernel works through the rows four at a time, each group costing about one row's time
+    (benchmarks/RESULTS.md, 'bf16 and int4 in the lean forward'): cheap for a decoding step or a
+    verification of up to 3 drafts, slow for a 150-token prompt (2.6 s on the Qwen 1.5B against 0.23 s
+    in bf16). So a projection may keep `dense`, its dense bf16 `Linear`, for *context* positions (those
+    whose logits nobody asked for: a prompt before its last token). The lean sessions feed a call's
+    context in a pass of its own, dense when longer than DENSE_ABOVE tokens, then the positions whose
+    logits are wanted in int4 (`LeanLlama.hidden(..., dense=)`): plain decoding and speculative
+    decoding split a prompt the same way (all but the last token are context in both), so every
+    scored position meets the same kernels whatever else shares its call."""
+
+    def __init__(self, codes: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None,
+                 dense: Callable[[Tensor], Tensor] | None = None):
+        out, inp = codes.shape
+        if inp % GROUP or scales.shape != (out, inp // GROUP) or mins.shape != scales.shape:
+            raise ValueError(f"int4 weights need in % {GROUP} == 0 and one scale/min per group, got codes "
+                             f"{tuple(codes.shape)}, scales {tuple(scales.shape)}, mins {tuple(mins.shape)}")
+        if int(codes.min()) < 0 or int(codes.max()) > 15:
+            raise ValueError("int4 codes must lie in 0..15")
+        self.out_features, self.in_features = out, inp
+        codes = codes.to(torch.int32).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # opaque layout
+        # the kernel's w = (q - 8) * scale + zero, so zero = min + 8 * scale; [in/32, out, 2]
+        zeros = mins.float() + 8 * scales.float()
+        self.scale_zeros = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16()
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.dense = dense
+
+    def __call__(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [B*m, in]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)  # [..., out]
+
+
+def requantize(names: Sequence[str], weight: Tensor) -> Codes | None:
+    """Min/max int4 codes of `weight` [out, in], per group of 32 inputs (lossy; for drafts)."""
+    out, inp = weight.shape
+    if inp % GROUP:
+        return None
+    groups = weight.detach().float().view(out, inp // GROUP, GROUP)  # [out, in/32, 32]
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.view(out, inp), scales, low
+
+
+# -- the GGUF's own Q4_K codes -------------------------------------------------------------------
+
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """transformers' parameter name -> llama.cpp's tensor name (model.layers.3.mlp.up_proj.weight ->
+    blk.3.ffn_up.weight), or None for one without a counterpart here."""
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        short = _HF_TO_GGUF.get(".".join(parts[3:5]))
+        return None if short is None else f"blk.{parts[2]}.{short}.weight"
+    return None
+
+
+def q4k_codes(blocks: np.ndarray, rows: int, cols: int) -> Codes:
+    """Decode Q4_K super-blocks (uint8 [rows, cols/256 * 144]: f16 d, f16 dmin, 12 bytes of 6-bit scales
+    and mins, 128 bytes of 4-bit codes) into codes [rows, cols], scales = d*sc and mins = -dmin*m per 32.
+    Same unpacking as the gguf package's Q4_K.dequantize_blocks (llama.cpp's dequantize_row_q4_K)."""
+    n = rows * cols // 256
+    raw = np.ascontiguousarray(blocks).reshape(n, 144)  # one row per super-block of 256 weights
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed = raw[:, 4:16].reshape(n, 3, 4)  # 8 scales and 8 mins of 6 bits in 12 bytes
+    lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]  # [n, 4] each
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], -1)  # [n, 8]
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], -1)  # [n, 8]
+    qs = raw[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(rows, cols)  # sub-block j of a super-block: low then high nibbles
+    scales = (d * sc.astype(np.float32)).reshape(rows, cols // GROUP)
+    mins = (-dmin * mn.astype(np.float32)).reshape(rows, cols // GROUP)
+    return torch.from_numpy(codes.astype(np.int32)), torch.from_numpy(scales), torch.from_numpy(mins)
+
+
+class Q4KPlan:
+    """The GGUF file's Q4_K tensors as int4 codes (a fused projection only when all its parts are Q4_K);
+    every other tensor stays dense. Verified at load against the dense (dequantised) weight."""
+
+    def __init__(self, gguf_path: Path):
+        import gguf  # transformers' GGUF loading needs it too (the qwen extra)
+
+        self.path = Path(gguf_path)
+        self.tensors = {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}
+        self.q4k = gguf.GGMLQuantizationType.Q4_K
+
+    def __call__(self, names: Sequence[str], weight: Tensor) -> Codes | None:
+        found = [self.tensors.get(gguf_name(n) or "") for n in names]
+        if any(t is None or t.tensor_type != self.q4k for t in found):
+            return None
+        parts = [q4k_codes(t.data, int(t.shape[1]), int(t.shape[0])) for t in found]  # ne = (in, out)
+        codes, scales, mins = (torch.cat(list(p), 0) for p in zip(*parts))
+        if codes.shape != weight.shape or not torch.equal(
+                dequantize(codes, scales, mins).to(weight.dtype), weight.detach()):
+            raise ValueError(f"the Q4_K codes of {', '.join(names)} in {self.path.name} do not reproduce the "
+                             "dense weights loaded from the same file; refusing int4 weights")
+        return codes, scales, mins
