@@ -3,6 +3,7 @@
     python benchmarks/adaptive_k.py                                             # default pair
     python benchmarks/adaptive_k.py --target qwen2.5-coder-1.5b-gguf --suite humaneval --prompts 2
     python benchmarks/adaptive_k.py --batches 1 8 --prompts 8                  # batch 8 against batch 1
+    python benchmarks/adaptive_k.py --target qwen2.5-coder-1.5b-int4 --suite humaneval --batches 1 8
 
 What it measures: per round, in rotated order, `verispec.generate` with plain decoding, lossless
 speculative decoding at each --ks, and `k="auto"` (verispec.speculation: measured costs, k chosen per
@@ -24,7 +25,7 @@ import time
 from common import environment
 
 import verispec
-from verispec.api import encode_prompt, pair_costs
+from verispec.api import as_dtype, encode_prompt, pair_costs
 from verispec.evaluation.suites import load_suite
 from verispec.models import default_draft, load_drafter, load_model
 from verispec.sampling import SamplingConfig
@@ -43,11 +44,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes to compare")
+    ap.add_argument("--dtype", default="float32", help="the target's compute dtype (named -gguf and -int4 "
+                    "models ignore it)")
     args = ap.parse_args()
     if max(args.batches) > args.prompts:
         raise SystemExit(f"--prompts ({args.prompts}) must be at least the largest batch size")
     threads = configure_threads(args.threads)
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=as_dtype(args.dtype))
     draft = args.draft or default_draft(args.target)
     drafter = load_drafter(draft, target)
     suite = load_suite(args.suite)

@@ -19,9 +19,9 @@ codes, scales and mins, or None to keep it dense):
   drafts, whose numerics never change the output law of a lossless rule.
 
 The kernel computes each output row from its own input row only (no split of the reduction by the
-row count), so a one-token step and a (k+1)-token verification give bit-identical rows: greedy
-speculative decoding equals greedy decoding, and rows of a batch equal rows alone, at these matmuls
-(tests/test_int4.py).
+row count), so a one-token step and a (k+1)-token verification give bit-identical rows at these
+matmuls (tests/test_int4.py). Attention still rounds a query by the query count, so greedy SD equals
+greedy decoding but at near ties (docs/design.md, 'Weights and kernels of the lean forward').
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Int4Linear:
 
     torch's kernel works through the rows four at a time, each group costing about one row's time
     (benchmarks/RESULTS.md, 'bf16 and int4 in the lean forward'): cheap for a decoding step or a
-    verification of up to 3 drafts, slow for a 150-token prompt (2.6 s on the Qwen 1.5B against 0.23 s
+    verification of up to 3 drafts, slow for a 166-token prompt (2.5 s on the Qwen 1.5B against 0.23 s
     in bf16). So a projection may keep `dense`, its dense bf16 `Linear`, for *context* positions (those
     whose logits nobody asked for: a prompt before its last token). The lean sessions feed a call's
     context in a pass of its own, dense when longer than DENSE_ABOVE tokens, then the positions whose
