@@ -13,6 +13,8 @@ from verispec.models import DEFAULT_PAIR, int4, qwen
 from verispec.models.hf import HFModel, load_hf
 from verispec.models.int4 import Int4Linear, Q4KPlan, dequantize, gguf_name, q4k_codes, requantize
 from verispec.models.lean import LeanLlama
+from verispec.rules import parse
+from verispec.sampling import SamplingConfig, process
 
 pytestmark = pytest.mark.skipif(not int4.available(), reason="this torch build has no CPU int4 kernels")
 
@@ -132,6 +134,23 @@ def test_rows_of_a_batch_score_like_rows_alone_up_to_bf16_rounding(int4_pair):
         for seq, logits in zip(seqs, together):
             alone = target.batch_session().logits_for([0], [seq], [3])[0]  # [3, V]
             assert float((logits - alone).abs().max()) <= 0.25
+
+
+def test_rule_laws_on_int4_logits(int4_pair):
+    """The rules' exact laws need valid full-vocabulary rows: int4 logits come back float32 [n, V], the
+    lossless law is the target's and lossy laws are distributions (the rule suites check the laws
+    themselves, on any rows)."""
+    _, target, draft = int4_pair
+    ids = torch.tensor([target.encode(PROMPTS[0])])  # [1, L]
+    sampling = SamplingConfig(temperature=1.0)
+    logits = target.session().logits_for(ids, 3)[0]  # [3, V]
+    assert logits.dtype == torch.float32 and logits.shape == (3, target.vocab_size)
+    target_probs = process(logits, sampling, torch.float64)
+    draft_probs = process(draft.session().logits_for(ids, 3)[0], sampling, torch.float64)  # [3, V]
+    assert float((parse("lossless").emitted(target_probs, draft_probs) - target_probs).abs().max()) < 1e-12
+    for spec in ("lenience:l=0.5", "speccascade:min_p=0.1", "cos:w=0.9"):
+        law = parse(spec).emitted(target_probs, draft_probs)  # checked inputs, exact law
+        assert (law >= 0).all() and torch.allclose(law.sum(-1), torch.ones(3, dtype=torch.float64))
 
 
 # -- the GGUF's own Q4_K codes (the Qwen 0.5B file: its ffn_down is Q4_K in half the layers) ------------
