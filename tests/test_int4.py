@@ -41,12 +41,13 @@ def test_kernel_equals_its_dequantised_reference():
 
 def test_requantize_is_within_half_a_step():
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(40, 96, generator=gen)
+    weight = torch.randn(48, 96, generator=gen)
     codes, scales, mins = requantize([], weight)
     assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
-    err = (dequantize(codes, scales, mins) - weight).abs().view(40, 3, 32)  # [out, groups, 32]
+    err = (dequantize(codes, scales, mins) - weight).abs().view(48, 3, 32)  # [out, groups, 32]
     assert bool((err <= scales[..., None] / 2 + 1e-6).all())
-    assert requantize([], torch.randn(4, 33)) is None  # not a whole number of groups: stays dense
+    assert requantize([], torch.randn(16, 33)) is None  # not a whole number of groups: stays dense
+    assert requantize([], torch.randn(8, 64)) is None  # outputs not in blocks of 16: stays dense
 
 
 def test_rows_do_not_depend_on_the_row_count():
@@ -61,7 +62,9 @@ def test_rows_do_not_depend_on_the_row_count():
 
 
 def test_bad_input_is_refused():
-    codes, scales, mins = requantize([], torch.randn(8, 64))
+    codes, scales, mins = requantize([], torch.randn(16, 64))
+    with pytest.raises(ValueError, match="out % 16"):
+        Int4Linear(codes[:8], scales[:8], mins[:8])
     with pytest.raises(ValueError, match="0..15"):
         Int4Linear(codes + 1, scales, mins)
     with pytest.raises(ValueError, match="one scale/min per group"):

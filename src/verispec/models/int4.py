@@ -44,6 +44,11 @@ def available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def supported(out: int, inp: int) -> bool:
+    """Shapes the kernel takes: whole groups of 32 inputs, outputs in blocks of 16 (its column tiles)."""
+    return inp % GROUP == 0 and out % 16 == 0
+
+
 def dequantize(codes: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
     """w = q * scale + min per group of 32 inputs, float32 [out, in] (the reference of `Int4Linear`)."""
     out, inp = codes.shape
@@ -70,9 +75,10 @@ class Int4Linear:
     def __init__(self, codes: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None,
                  dense: Callable[[Tensor], Tensor] | None = None):
         out, inp = codes.shape
-        if inp % GROUP or scales.shape != (out, inp // GROUP) or mins.shape != scales.shape:
-            raise ValueError(f"int4 weights need in % {GROUP} == 0 and one scale/min per group, got codes "
-                             f"{tuple(codes.shape)}, scales {tuple(scales.shape)}, mins {tuple(mins.shape)}")
+        if not supported(out, inp) or scales.shape != (out, inp // GROUP) or mins.shape != scales.shape:
+            raise ValueError(f"int4 weights need in % {GROUP} == 0, out % 16 == 0 and one scale/min per "
+                             f"group, got codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, "
+                             f"mins {tuple(mins.shape)}")
         if int(codes.min()) < 0 or int(codes.max()) > 15:
             raise ValueError("int4 codes must lie in 0..15")
         self.out_features, self.in_features = out, inp
@@ -95,7 +101,7 @@ class Int4Linear:
 def requantize(names: Sequence[str], weight: Tensor) -> Codes | None:
     """Min/max int4 codes of `weight` [out, in], per group of 32 inputs (lossy; for drafts)."""
     out, inp = weight.shape
-    if inp % GROUP:
+    if not supported(out, inp):
         return None
     groups = weight.detach().float().view(out, inp // GROUP, GROUP)  # [out, in/32, 32]
     low, high = groups.amin(-1), groups.amax(-1)
@@ -155,7 +161,7 @@ class Q4KPlan:
 
     def __call__(self, names: Sequence[str], weight: Tensor) -> Codes | None:
         found = [self.tensors.get(gguf_name(n) or "") for n in names]
-        if any(t is None or t.tensor_type != self.q4k for t in found):
+        if any(t is None or t.tensor_type != self.q4k for t in found) or not supported(*weight.shape):
             return None
         parts = [q4k_codes(t.data, int(t.shape[1]), int(t.shape[0])) for t in found]  # ne = (in, out)
         codes, scales, mins = (torch.cat(list(p), 0) for p in zip(*parts))
