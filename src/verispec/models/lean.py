@@ -55,11 +55,13 @@ def supports(model) -> bool:
 class Linear:
     """y = x W^T (+ b) for x [..., m, in], choosing the kernel by m (see the module docstring)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
+        """`pack=False`: no oneDNN copy (every product `x @ W^T`): half the memory, for a rarely used
+        layer (an int4 projection's dense twin, run for prompts only)."""
         self.bias = bias
         self.weight_t = weight.t().contiguous() if weight.device.type == "cpu" else None  # [in, out]
         self.weight = None if self.weight_t is not None else weight
-        self.packed = self._pack(weight)
+        self.packed = self._pack(weight) if pack else None
 
     @staticmethod
     def _pack(weight: Tensor) -> Tensor | None:
@@ -131,7 +133,8 @@ class LeanLlama:
             raise ValueError("int4 weights need bf16 compute and torch's CPU int4 kernels "
                              f"(dtype {dtype}, kernels available: {int4_kernels()})")
         cfg = hf_model.config
-        share = sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE  # one weight copy: `_alias`
+        # one weight copy (`_alias`); int4 models always (their transformers forward never runs)
+        share = int4 is not None or sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE
         self.int4 = int4 is not None
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
@@ -149,7 +152,7 @@ class LeanLlama:
             codes = None if int4 is None else int4(names, weight)
             if codes is None:
                 return Linear(weight, bias)
-            return Int4Linear(*codes, bias, dense=Linear(weight, bias) if prefill else None)
+            return Int4Linear(*codes, bias, dense=Linear(weight, bias, pack=False) if prefill else None)
 
         self.embed = cast(inner.embed_tokens.weight)
         self.layers = []
