@@ -187,6 +187,8 @@ def test_q4k_codes_reproduce_the_gguf_dequantisation_bit_for_bit():
     codes = plan([hf], dense)
     assert codes is not None and torch.equal(dequantize(*codes).bfloat16(), dense)
     assert plan([f"model.layers.{layer}.self_attn.q_proj.weight"], dense) is None  # Q5_0: stays dense
+    plan.release()  # drops the memory map; the next call reopens it
+    assert plan._tensors is None and plan([hf], dense) is not None
     tampered = dense.clone()
     tampered[0, 0] += 1
     with pytest.raises(ValueError, match="do not reproduce"):

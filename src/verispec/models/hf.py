@@ -73,6 +73,9 @@ class HFModel:
     def _lean_model(self):
         if self._lean is None:
             self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4)
+            release = getattr(self.int4, "release", None)  # a plan holding a file's memory map
+            if release is not None:
+                release()
         return self._lean
 
     def session(self):

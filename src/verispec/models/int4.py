@@ -153,15 +153,25 @@ class Q4KPlan:
     every other tensor stays dense. Verified at load against the dense (dequantised) weight."""
 
     def __init__(self, gguf_path: Path):
-        import gguf  # transformers' GGUF loading needs it too (the qwen extra)
-
         self.path = Path(gguf_path)
-        self.tensors = {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}
-        self.q4k = gguf.GGMLQuantizationType.Q4_K
+        self._tensors: dict | None = None
+
+    @property
+    def tensors(self) -> dict:
+        """The file's tensors by llama.cpp name (a memory map, opened on first use)."""
+        if self._tensors is None:
+            import gguf  # transformers' GGUF loading needs it too (the qwen extra)
+
+            self._tensors = {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}
+        return self._tensors
+
+    def release(self) -> None:
+        """Drop the memory map (its pages count as resident once read); reopened if called again."""
+        self._tensors = None
 
     def __call__(self, names: Sequence[str], weight: Tensor) -> Codes | None:
         found = [self.tensors.get(gguf_name(n) or "") for n in names]
-        if any(t is None or t.tensor_type != self.q4k for t in found) or not supported(*weight.shape):
+        if any(t is None or t.tensor_type.name != "Q4_K" for t in found) or not supported(*weight.shape):
             return None
         parts = [q4k_codes(t.data, int(t.shape[1]), int(t.shape[0])) for t in found]  # ne = (in, out)
         codes, scales, mins = (torch.cat(list(p), 0) for p in zip(*parts))
