@@ -1,5 +1,6 @@
 """Projection cost by rows per call: int4 weights (torch's CPU kernel, `verispec.models.int4.Int4Linear`)
-against bf16 (oneDNN's packed kernel, as `verispec.models.lean.Linear` runs bf16) and bf16 `F.linear`.
+against bf16 through oneDNN's packed kernel (as `verispec.models.lean.Linear` runs bf16), `x @ W^T` on
+a contiguous W^T (the fp32 one-row kernel; an int4 projection's dense twin) and `F.linear`.
 
 The Qwen2.5-Coder-1.5B target's four projection shapes per layer (q/k/v fused, o, gate/up fused, down),
 8 distinct layers so the weights do not sit in cache, scaled to 28 layers; random weights (the cost
@@ -51,15 +52,18 @@ def main() -> None:
     int4 = [Int4Linear(*requantize([], w)) for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 8) for w in weights]
     dense = [w.bfloat16() for w in weights]
-    print("| rows | int4 ms | bf16 oneDNN packed ms | bf16 F.linear ms | int4 / bf16 packed |")
-    print("|---|---|---|---|---|")
+    transposed = [w.t().contiguous() for w in dense]  # [in, out]
+    print("| rows | int4 ms | bf16 oneDNN packed ms | bf16 x @ W^T ms | bf16 F.linear ms "
+          "| int4 / bf16 packed |")
+    print("|---|---|---|---|---|---|")
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1], generator=gen).bfloat16() for w in weights]  # [m, in]
         a = model_ms([lambda lin=lin, x=x: lin(x) for lin, x in zip(int4, xs)])
         b = model_ms([lambda p=p, x=x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                       for p, x in zip(packed, xs)])
+        t = model_ms([lambda w=w, x=x: x @ w for w, x in zip(transposed, xs)])
         c = model_ms([lambda w=w, x=x: F.linear(x, w) for w, x in zip(dense, xs)])
-        print(f"| {m} | {a:.0f} | {b:.0f} | {c:.0f} | {a / b:.2f} |", flush=True)
+        print(f"| {m} | {a:.0f} | {b:.0f} | {t:.0f} | {c:.0f} | {a / b:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

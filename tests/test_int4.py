@@ -91,7 +91,8 @@ def test_default_pair_in_int4_decodes_like_its_bf16_self(int4_pair):
     a, b = dense.session().logits_for(ids, n)[0], target.session().logits_for(ids, n)[0]  # [L, V]
     assert all(isinstance(layer["gate_up"], Int4Linear) for layer in target._lean_model().layers)
     tv = 0.5 * (a.softmax(-1) - b.softmax(-1)).abs().sum(-1)  # [L]
-    # requantising every projection to 4 bits moves the next-token law, but not far (measured below)
+    # requantising every projection to 4 bits moves the next-token law, but not far: measured mean TV
+    # 0.027, max 0.049 over these positions (a broken code layout gives a law near unrelated to it)
     assert float(tv.mean()) < 0.1, tv
 
 
@@ -114,18 +115,20 @@ def test_greedy_speculative_decoding_equals_greedy_decoding_but_at_near_ties(int
                 logits = session.logits_for(torch.tensor([ids + list(plain.token_ids[:j])]), 1)[0, -1]
             top = logits.topk(2).values
             margin = float(top[0] - top[1])
-            assert margin <= NEAR_TIE, (prompt, k, i, margin)
+            assert margin <= two_bf16_steps(top[0]), (prompt, k, i, margin)
 
 
-# bf16 logits of this model near 8 are 1/32 apart; attention's rounding moved them by one or two of those
-NEAR_TIE = 0.0625
+def two_bf16_steps(logit) -> float:
+    """Two bf16 rounding steps at this logit's size (a step is at most |x| / 2^7: 8 significant bits):
+    the bound on how far attention's rounding by query count moves a bf16 model's logit, on any CPU."""
+    return 2 * float(abs(logit)) * 2 ** -7
 
 
 def test_rows_of_a_batch_score_like_rows_alone_up_to_bf16_rounding(int4_pair):
     """A batched pass (padding, a per-row mask) rounds attention differently from a row alone, and bf16
-    activations make that visible in the last bits of a logit: measured 0.125 for int4 and 0.0625 for the
-    dense bf16 model on these rows, so batch invariance holds for bf16 and int4 models up to that, not
-    token for token (fp32 models: tests/test_api_batched.py)."""
+    activations make that visible in the last bits of a logit (measured here: 0.125 for int4 and 0.0625
+    for the dense bf16 model, logits up to 16), so batch invariance holds for bf16 and int4 models up to
+    two bf16 steps of a logit, not token for token (fp32 models: tests/test_api_batched.py)."""
     _, target, _ = int4_pair
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, 4000, (length,), generator=gen) for length in (12, 30, 21)]
@@ -136,7 +139,7 @@ def test_rows_of_a_batch_score_like_rows_alone_up_to_bf16_rounding(int4_pair):
         together = batch.logits_for([0, 1, 2], seqs, [3, 3, 3])
         for seq, logits in zip(seqs, together):
             alone = target.batch_session().logits_for([0], [seq], [3])[0]  # [3, V]
-            assert float((logits - alone).abs().max()) <= 0.25
+            assert float((logits - alone).abs().max()) <= two_bf16_steps(alone.abs().max())
 
 
 def test_rule_laws_on_int4_logits(int4_pair):

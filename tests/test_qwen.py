@@ -121,8 +121,8 @@ def test_int4_pair_holds_the_gguf_q4k_tensors_and_decodes_greedy_like_plain():
         pytest.skip("needs both Qwen part sets")
     target, draft = load_model("qwen2.5-coder-1.5b-int4"), load_model("qwen2.5-coder-0.5b-int4")
     layers = target._lean_model().layers
-    count = {key: sum(isinstance(layer[key], Int4Linear) for layer in layers) for key in layers[0]
-             if key in ("qkv", "o", "gate_up", "down")}
+    count = {key: sum(isinstance(layer[key], Int4Linear) for layer in layers)
+             for key in ("qkv", "o", "gate_up", "down")}
     assert count == {"qkv": 14, "o": 28, "gate_up": 28, "down": 14}, count
     assert not isinstance(target._lean_model().head, Int4Linear)
     assert all(isinstance(layer["down"], Int4Linear) for layer in draft._lean_model().layers)
@@ -139,4 +139,4 @@ def test_int4_pair_holds_the_gguf_q4k_tensors_and_decodes_greedy_like_plain():
             for j in range(i + 1):  # plain decoding's own steps up to the first difference
                 logits = session.logits_for(torch.tensor([ids + list(plain.token_ids[:j])]), 1)[0, -1]
             top = logits.topk(2).values
-            assert float(top[0] - top[1]) <= 0.125, (k, i)
+            assert float(top[0] - top[1]) <= 2 * float(top[0].abs()) * 2 ** -7, (k, i)  # two bf16 steps

@@ -64,11 +64,11 @@ class Int4Linear:
 
     torch's kernel works through the rows four at a time, each group costing about one row's time
     (benchmarks/RESULTS.md, 'bf16 and int4 in the lean forward'): cheap for a decoding step or a
-    verification of up to 3 drafts, slow for a 166-token prompt (2.5 s on the Qwen 1.5B against 0.23 s
+    verification of up to 3 drafts, slow for a 166-token prompt (2.5 s on the Qwen 1.5B against 0.22-0.32 s
     in bf16). So a projection may keep `dense`, its dense bf16 `Linear`, for *context* positions (those
     whose logits nobody asked for: a prompt before its last token). The lean sessions feed a call's
-    context in a pass of its own, dense when longer than DENSE_ABOVE tokens, then the positions whose
-    logits are wanted in int4 (`LeanLlama.hidden(..., dense=)`): plain decoding and speculative
+    context in a pass of its own (`LeanLlama.context`: dense when longer than DENSE_ABOVE tokens), then
+    the positions whose logits are wanted in int4: plain decoding and speculative
     decoding split a prompt the same way (all but the last token are context in both), so every
     scored position meets the same kernels whatever else shares its call."""
 
@@ -132,15 +132,15 @@ def gguf_name(hf_name: str) -> str | None:
 def q4k_codes(blocks: np.ndarray, rows: int, cols: int) -> Codes:
     """Decode Q4_K super-blocks (uint8 [rows, cols/256 * 144]: f16 d, f16 dmin, 12 bytes of 6-bit scales
     and mins, 128 bytes of 4-bit codes) into codes [rows, cols], scales = d*sc and mins = -dmin*m per 32.
-    Same unpacking as the gguf package's Q4_K.dequantize_blocks (llama.cpp's dequantize_row_q4_K)."""
+    Same unpacking as the gguf package's Q4_K.dequantize_blocks (llama.cpp's dequantize_row_q4_K), whose
+    6-bit scale/min unpacking it calls."""
+    from gguf.quants import Q4_K  # the qwen extra
+
     n = rows * cols // 256
     raw = np.ascontiguousarray(blocks).reshape(n, 144)  # one row per super-block of 256 weights
     d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-    packed = raw[:, 4:16].reshape(n, 3, 4)  # 8 scales and 8 mins of 6 bits in 12 bytes
-    lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]  # [n, 4] each
-    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], -1)  # [n, 8]
-    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], -1)  # [n, 8]
+    sc, mn = Q4_K.get_scale_min(raw[:, 4:16])  # 8 scales and 8 mins of 6 bits in 12 bytes: [n, 8] each
     qs = raw[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(rows, cols)  # sub-block j of a super-block: low then high nibbles
     scales = (d * sc.astype(np.float32)).reshape(rows, cols // GROUP)

@@ -10,11 +10,13 @@ rejected draft tokens is just a shorter length (no copy). Tests check its logits
 transformers model it wraps.
 
 Matmuls: decoding reads every weight once per forward pass, so it is memory-bound, and the layout
-decides the speed. Measured on this project's CPU (benchmarks/RESULTS.md): a single-token step is
-fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens (the
+decides the speed. Measured on this project's CPUs (benchmarks/RESULTS.md): in fp32 a single-token
+step is fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+1 tokens (the
 verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
-reads the weights at a third of the bandwidth. `Linear` keeps both layouts (2x weight memory) and
-falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
+reads the weights at a third of the bandwidth; in bf16 oneDNN's packed kernel is the fastest for
+every row count (a CPU with bf16 units: 'bf16 and int4 in the lean forward'). `Linear` keeps both
+layouts (2x weight memory) and falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
+Int4 weights: `verispec.models.int4`.
 
 Batched decoding (`LeanBatchCache`, `forward_batch`, `LeanBatchSession`): many rows in one forward
 pass, each row at its own position in its own cache slot (per-row RoPE, scattered key/value writes,
@@ -53,7 +55,7 @@ def supports(model) -> bool:
 
 
 class Linear:
-    """y = x W^T (+ b) for x [..., m, in], choosing the kernel by m (see the module docstring)."""
+    """y = x W^T (+ b) for x [..., m, in], choosing the kernel by rows and dtype (module docstring)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
         """`pack=False`: no oneDNN copy (every product `x @ W^T`): half the memory, for a rarely used
@@ -85,8 +87,9 @@ class Linear:
         # weight shapes summed, median us, x @ W^T vs packed), 1 thread: M=1 875 vs 2926, M=2 1899 vs
         # 2817, M=4 5465 vs 3821, M=16 8591 vs 5414, M=64 16415 vs 12145; 2 threads (a loaded
         # machine, an ad-hoc run of the same loop): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714
-        # vs 14998. So the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is the one
-        # mild loss), as for batch 1.
+        # vs 14998. So in fp32 the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is
+        # the one mild loss), as for batch 1. bf16 takes oneDNN packed for every M (`python
+        # benchmarks/int4_kernels.py`: one row 106 ms packed vs 238 ms x @ W^T over a 1.5B's layers).
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if self.packed is not None and (x.numel() > x.shape[-1] or x.dtype == torch.bfloat16):
@@ -224,6 +227,11 @@ class LeanLlama:
         there)."""
         return self.head(self._rms(hidden, self.norm)).float().cpu()
 
+    def context(self, tokens: Tensor, cache) -> None:
+        """Feed positions whose logits nobody asked for (a prompt before its last token) into the cache,
+        through int4 projections' dense twins when longer than DENSE_ABOVE (`verispec.models.int4`)."""
+        self.hidden(tokens, cache, dense=tokens.shape[1] > DENSE_ABOVE)
+
     def hidden(self, tokens: Tensor, cache, dense: bool = False) -> Tensor:
         """tokens [B, m] at positions cache.length .. +m -> last hidden states [B, m, d]; extends the
         cache (a `LeanCache`, or `_SlotView` of one row of a `LeanBatchCache`). `dense`: int4 projections
@@ -305,7 +313,7 @@ class LeanSession(CachedSession):
     @torch.inference_mode()
     def _feed_context(self, tokens: Tensor) -> None:
         self.owner.calls += 1
-        self.lean.hidden(tokens, self.cache, dense=tokens.shape[1] > DENSE_ABOVE)
+        self.lean.context(tokens, self.cache)
 
 
 # -- batched: many rows in one forward pass, each row with its own cache length ----------------------
@@ -496,22 +504,6 @@ class LeanBatchSession:
     @torch.inference_mode()
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)
-        feeds, slots = self._feeds(rows, tokens, n)
-        if self.lean.int4:
-            # int4 projections: each row's context (the positions before its last n) in a pass of its
-            # own, dense when long (`verispec.models.int4.Int4Linear`), then every row's last n together
-            for i, (feed, count) in enumerate(zip(feeds, n)):
-                if feed.shape[0] > count:
-                    self.owner.calls += 1
-                    context = feed[None, : feed.shape[0] - count]  # [1, c]
-                    view = _SlotView(self.cache, slots[i])
-                    self.lean.hidden(context, view, dense=context.shape[1] > DENSE_ABOVE)
-                    feeds[i] = feed[-count:]
-        return self._pass(rows, tokens, n, feeds, slots)
-
-    def _feeds(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> tuple[list, list]:
-        """Per row: the tokens to feed after the longest cached prefix that agrees (the slot's length is
-        cut to it), and the row's slot."""
         feeds, slots = [], []
         for row, seq, count in zip(rows, tokens, n):
             seq = seq.to(torch.long).cpu()
@@ -524,13 +516,15 @@ class LeanBatchSession:
                 same = held[:common] == seq[:common]  # [common]
                 common = int(same.to(torch.int64).cumprod(0).sum())
             self.cache.lengths[slot] = common
-            feeds.append(seq[common:])
+            feed = seq[common:]
+            if self.lean.int4 and feed.shape[0] > count:
+                # int4 projections: the row's context (before its last n) in a pass of its own, as
+                # `CachedSession.logits_for` does at batch 1; then every row's last n together
+                self.owner.calls += 1
+                self.lean.context(feed[None, :-count], _SlotView(self.cache, slot))  # [1, c]
+                feed = feed[-count:]
+            feeds.append(feed)
             slots.append(slot)
-        return feeds, slots
-
-    def _pass(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int], feeds: list[Tensor],
-              slots: list[int]) -> list[Tensor]:
-        """One forward pass over `feeds` (rows in their slots): each row's last n logits."""
         self.owner.calls += 1
         if len(rows) == 1:  # one row: the batch-1 pass on its slot, without padding, gathers or index tensors
             x = self.lean.hidden(feeds[0][None], _SlotView(self.cache, slots[0]))[0]  # [m, d]
