@@ -96,6 +96,29 @@ def test_default_pair_in_int4_decodes_like_its_bf16_self(int4_pair):
     assert float(tv.mean()) < 0.1, tv
 
 
+def test_int4_weights_hold_no_private_dense_copy(int4_pair):
+    """Memory (issue 22): an int4 projection's dense twin for prompts is transformers' own tensors (a
+    model loaded from safetensors keeps them as the file's shared, memory-mapped pages), not a fused
+    copy, and a bf16 dense projection keeps oneDNN's packed weights only. The twin computes the fused
+    projection: its parts side by side, each with its own slice of the bias."""
+    _, target, _ = int4_pair
+    hf = target.model
+    layer, attn = target._lean_model().layers[0], hf.model.layers[0].self_attn
+    twin = layer["qkv"].dense
+    assert [w.data_ptr() for w in twin.weights] == [
+        attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr(), attn.v_proj.weight.data_ptr()]
+    x = torch.randn(1, 20, twin.weights[0].shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    fused = torch.cat([p.weight.detach() for p in projections])  # [nq + 2 nkv, d]
+    bias = None if attn.q_proj.bias is None else torch.cat([p.bias.detach() for p in projections])
+    want = torch.nn.functional.linear(x.float(), fused.float(), None if bias is None else bias.float())
+    got = twin(x).float()  # [1, 20, nq + 2 nkv]: float32 sums rounded to bf16 once
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
+    dense = LeanLlama(hf, torch.bfloat16)  # the same model without int4: packed copies only
+    packed = [dense.head, *(w[n] for w in dense.layers for n in ("qkv", "o", "gate_up", "down"))]
+    assert all(lin.packed is not None and lin.weight_t is None and lin.weight is None for lin in packed)
+
+
 def test_greedy_speculative_decoding_equals_greedy_decoding_but_at_near_ties(int4_pair):
     """int4 matmuls give a row the same bits in a step and in a verification pass, attention does not
     (torch's CPU SDPA rounds a query differently by the query count: bf16 at multiples of 16 keys), so

@@ -65,7 +65,8 @@ class Int4Linear:
     torch's kernel works through the rows four at a time, each group costing about one row's time
     (benchmarks/RESULTS.md, 'bf16 and int4 in the lean forward'): cheap for a decoding step or a
     verification of up to 3 drafts, slow for a 166-token prompt (2.5 s on the Qwen 1.5B against 0.22-0.32 s
-    in bf16). So a projection may keep `dense`, its dense bf16 `Linear`, for *context* positions (those
+    in bf16). So a projection may keep `dense`, its dense bf16 weights (`lean.PartsLinear`: the loaded
+    model's own tensors, no copy), for *context* positions (those
     whose logits nobody asked for: a prompt before its last token). The lean sessions feed a call's
     context in a pass of its own (`LeanLlama.context`: dense when longer than DENSE_ABOVE tokens), then
     the positions whose logits are wanted in int4: plain decoding and speculative

@@ -57,13 +57,16 @@ def supports(model) -> bool:
 class Linear:
     """y = x W^T (+ b) for x [..., m, in], choosing the kernel by rows and dtype (module docstring)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
-        """`pack=False`: no oneDNN copy (every product `x @ W^T`): half the memory, for a rarely used
-        layer (an int4 projection's dense twin, run for prompts only)."""
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
         self.bias = bias
-        self.weight_t = weight.t().contiguous() if weight.device.type == "cpu" else None  # [in, out]
-        self.weight = None if self.weight_t is not None else weight
-        self.packed = self._pack(weight) if pack else None
+        self.packed = self._pack(weight)
+        self.weight_t = self.weight = None
+        if self.packed is not None and weight.dtype == torch.bfloat16:
+            pass  # bf16 runs the packed kernel for every row count: no second copy of the weights
+        elif weight.device.type == "cpu":
+            self.weight_t = weight.t().contiguous()  # [in, out]: fp32 one-row steps (a GEMV)
+        else:
+            self.weight = weight
 
     @staticmethod
     def _pack(weight: Tensor) -> Tensor | None:
@@ -90,28 +93,46 @@ class Linear:
         # vs 14998. So in fp32 the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is
         # the one mild loss), as for batch 1. bf16 takes oneDNN packed for every M (`python
         # benchmarks/int4_kernels.py`: one row 106 ms packed vs 238 ms x @ W^T over a 1.5B's layers).
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.packed is not None and (x.numel() > x.shape[-1] or x.dtype == torch.bfloat16):
+        if self.packed is not None and (self.weight_t is None or x.numel() > x.shape[-1]):
             flat = x.reshape(-1, x.shape[-1])  # [B*m, in]
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], -1)  # [B, m, out]
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
         y = x @ self.weight_t
         return y if self.bias is None else y + self.bias
+
+
+class PartsLinear:
+    """y = x [W_1; W_2; ...]^T (+ b) straight from the parts' own tensors (a fused projection's q, k and v,
+    or gate and up, as transformers holds them), with no fused copy: an int4 projection's dense twin for
+    prompts (`verispec.models.int4.Int4Linear`). The tensors are the loaded model's, so a model loaded
+    from safetensors keeps them as the file's memory-mapped pages (shared between processes, reclaimable)
+    instead of private memory."""
+
+    def __init__(self, weights: Sequence[Tensor], bias: Tensor | None = None):
+        self.weights = list(weights)  # each [out_i, in]
+        sizes = [w.shape[0] for w in self.weights]
+        self.biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        parts = [F.linear(x, w, b) for w, b in zip(self.weights, self.biases)]  # each [..., out_i]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # [..., out]
 
 
 SHARE_ABOVE = 500_000_000  # parameters; see `_alias`
 
 
-def _alias(param: torch.nn.Parameter, linear: Linear | Int4Linear, lo: int, hi: int) -> None:
+def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
     """Point a transformers weight [out, in] at rows lo..hi of `linear`'s stored W^T (a view, same
     values), so the wrapped model and the lean pass hold one copy instead of two (a 1.5B model in fp32
     is 7 GB per copy, its 0.5B draft 2.5 GB: both must fit in 24 GB beside oneDNN's packed copies).
-    Only where the dtype and device already agree (no rounding, no move). Done for models above
-    SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so its forward
-    (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched; a benchmark timing
-    transformers' forward on a larger model loads a copy that never builds lean weights."""
-    linear = getattr(linear, "dense", linear)  # an Int4Linear's dense twin holds its weights, if any
+    Only where the dtype and device already agree (no rounding, no move) and `linear` keeps a W^T (fp32:
+    bf16 keeps oneDNN's packed copy only, so transformers' own tensors are the one other copy). Done for
+    models above SHARE_ABOVE parameters only: smaller ones keep transformers' own contiguous layout, so
+    its forward (the `hf` backend, the assisted-generation baselines in benchmarks/) is untouched; a
+    benchmark timing transformers' forward on a larger model loads a copy that never builds lean
+    weights."""
     src = getattr(linear, "weight_t", None)
     if src is None or src.dtype != param.dtype or src.device != param.device or src.is_inference():
         return
@@ -136,8 +157,7 @@ class LeanLlama:
             raise ValueError("int4 weights need bf16 compute and torch's CPU int4 kernels "
                              f"(dtype {dtype}, kernels available: {int4_kernels()})")
         cfg = hf_model.config
-        # one weight copy (`_alias`); int4 models always (their transformers forward never runs)
-        share = int4 is not None or sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE
+        share = sum(p.numel() for p in hf_model.parameters()) > SHARE_ABOVE  # one weight copy (`_alias`)
         self.int4 = int4 is not None
         self.dtype = dtype
         self.device = hf_model.get_output_embeddings().weight.device
@@ -148,14 +168,17 @@ class LeanLlama:
         inner = hf_model.model
         cast = lambda t: t.detach().to(dtype)  # noqa: E731
 
-        def linear(names: list[str], weight: Tensor, bias: Tensor | None = None,
+        def linear(names: list[str], parts: list[Tensor], bias: Tensor | None = None,
                    prefill: bool = True) -> Linear | Int4Linear:
-            """Dense, or int4 codes where the plan gives them (with the dense twin for prompts when
-            `prefill`: `Int4Linear`; not for the head, whose rows are the logits asked for, not a feed)."""
-            codes = None if int4 is None else int4(names, weight)
+            """The (fused) projection of `parts` (transformers' weights, each [out_i, in]): dense, or int4
+            codes where the plan gives them, with the parts themselves as the dense twin for prompts when
+            `prefill` (`Int4Linear`; not for the head, whose rows are the logits asked for, not a feed)."""
+            fused = cast(parts[0] if len(parts) == 1 else torch.cat(parts))  # [out, in]
+            codes = None if int4 is None else int4(names, fused)
             if codes is None:
-                return Linear(weight, bias)
-            return Int4Linear(*codes, bias, dense=Linear(weight, bias, pack=False) if prefill else None)
+                return Linear(fused, bias)
+            twin = PartsLinear([cast(p) for p in parts], bias) if prefill else None
+            return Int4Linear(*codes, bias, dense=twin)
 
         self.embed = cast(inner.embed_tokens.weight)
         self.layers = []
@@ -169,13 +192,12 @@ class LeanLlama:
                 "norm_in": cast(layer.input_layernorm.weight),
                 "norm_post": cast(layer.post_attention_layernorm.weight),
                 "qkv": linear([name(f"self_attn.{x}_proj") for x in "qkv"],
-                              cast(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
-                              bias),
-                "o": linear([name("self_attn.o_proj")], cast(att.o_proj.weight),
+                              [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], bias),
+                "o": linear([name("self_attn.o_proj")], [att.o_proj.weight],
                             None if att.o_proj.bias is None else cast(att.o_proj.bias)),
                 "gate_up": linear([name("mlp.gate_proj"), name("mlp.up_proj")],
-                                  cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))),
-                "down": linear([name("mlp.down_proj")], cast(mlp.down_proj.weight)),
+                                  [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                "down": linear([name("mlp.down_proj")], [mlp.down_proj.weight]),
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
@@ -193,7 +215,7 @@ class LeanLlama:
             _alias(mlp.down_proj.weight, w["down"], 0, mlp.down_proj.weight.shape[0])
         self.norm = cast(inner.norm.weight)
         head = hf_model.get_output_embeddings().weight
-        self.head = linear(["lm_head.weight"], cast(head), prefill=False)
+        self.head = linear(["lm_head.weight"], [head], prefill=False)
         if share and head is not inner.embed_tokens.weight:  # a tied head stays the embedding's own tensor
             _alias(head, self.head, 0, head.shape[0])
         theta = cfg.rope_parameters["rope_theta"]
