@@ -74,6 +74,17 @@ def test_bad_input_is_refused():
         LeanLlama(dense.model, torch.float32, int4=requantize)
     with pytest.raises(ValueError, match="lean backend only"):
         HFModel(dense.model, dense.tokenizer, "x", backend="hf", int4=requantize)
+    # a dtype for a named model whose weights fix it is refused before anything loads, not ignored
+    from verispec.evaluation.units import SweepSpec
+    from verispec.models import load_model
+
+    with pytest.raises(ValueError, match="int4 weights with bf16 compute: a dtype does not apply"):
+        load_model("qwen2.5-coder-1.5b-int4", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype does not apply"):
+        SweepSpec(suite="capitals", target="qwen2.5-coder-1.5b", draft="qwen2.5-coder-0.5b-int4",
+                  draft_dtype="bfloat16").validate()
+    with pytest.raises(ValueError, match="llama.cpp's quantized weights"):
+        SweepSpec(suite="capitals", target="qwen2.5-coder-1.5b-gguf", dtype="bfloat16").validate()
 
 
 @pytest.fixture(scope="module")

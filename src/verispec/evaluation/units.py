@@ -28,7 +28,7 @@ from verispec.evaluation.comparisons import parse_comparison
 from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
-from verispec.models import default_draft
+from verispec.models import check_dtype, default_draft
 from verispec.rules import honest_baseline, parse
 from verispec.sampling import SamplingConfig
 from verispec.tree_decode import TRAVERSAL, tree_verification_rule
@@ -133,6 +133,8 @@ class SweepSpec:
         for name in ("dtype", "draft_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        check_dtype(self.target, as_dtype(self.dtype))
+        check_dtype(self.draft, as_dtype(self.draft_dtype))
         if device_here:
             check_device(self.device)
         elif not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda", "mps"):

@@ -106,11 +106,25 @@ def default_draft(target: object) -> str:
     return "ngram:n=3"
 
 
+def check_dtype(spec: object, dtype: torch.dtype) -> None:
+    """Refuse a compute dtype for a named model whose weights fix it (`-int4`: int4 codes with bf16
+    compute; `-gguf`: llama.cpp's quantized weights) rather than ignore it: only the default float32
+    passes (it means "the model's own")."""
+    if not isinstance(spec, str) or spec not in MODELS or dtype == torch.float32:
+        return
+    named = MODELS.get(spec)
+    fixed = ("int4 weights with bf16 compute" if named.int4 is not None
+             else "llama.cpp's quantized weights" if named.backend == llamacpp.BACKEND else None)
+    if fixed is not None:
+        raise ValueError(f"{spec} runs {fixed}: a dtype does not apply (got {dtype}); leave it unset")
+
+
 @functools.lru_cache(maxsize=8)
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A named model or a local path -> HFModel, or LlamaCppModel for the `-gguf` named models (whose
     weights stay quantized: dtype does not apply; nor for the `-int4` ones, bf16 compute); cached: loading
     twice returns the same object."""
+    check_dtype(spec, dtype)
     stop_tokens: tuple[str, ...] = ()
     if spec in MODELS:
         named = MODELS.get(spec)
