@@ -72,7 +72,8 @@ def main() -> None:
         one(args.target, args.draft, args.threads, args.hold)
         return
     print(environment())
-    print(f"pair: {args.target} / {args.draft or 'its default draft'}; HumanEval/0, 64 tokens plain then SD k=3")
+    print(f"pair: {args.target} / {args.draft or 'its default draft'}; HumanEval/0, 64 tokens plain, "
+          "then SD k=3")
     for n in args.workers:
         threads = args.threads or max(1, 2 // n)
         print(f"\n{n} worker(s), {threads} thread(s) each; per worker, GiB:\n")
