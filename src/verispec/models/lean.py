@@ -15,7 +15,8 @@ step is fastest as `x @ W^T` with W^T stored contiguous (a GEMV), a pass over k+
 verification pass) with oneDNN's prepacked weights, where MKL's small-M GEMM behind `F.linear`
 reads the weights at a third of the bandwidth; in bf16 oneDNN's packed kernel is the fastest for
 every row count (a CPU with bf16 units: 'bf16 and int4 in the lean forward'). `Linear` keeps both
-layouts (2x weight memory) and falls back to `F.linear` where oneDNN is unavailable (or on a GPU).
+layouts in fp32 (2x weight memory), the packed one only in bf16, and falls back to `F.linear` where
+oneDNN is unavailable (or on a GPU).
 Int4 weights: `verispec.models.int4`.
 
 Batched decoding (`LeanBatchCache`, `forward_batch`, `LeanBatchSession`): many rows in one forward
