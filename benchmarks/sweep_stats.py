@@ -8,6 +8,9 @@
   the first code block (re-tokenised with the target's tokenizer): what a stop string there saves;
 - with --rescore: every row's text scored again by its suite on this (quiet) machine, and the rows
   whose score differs (e.g. a correct program that timed out while the sweep loaded the machine);
+- with --score-as SUITE: every row's text scored by another suite's scorer (e.g. the old protocol's
+  rows, decoded to a 256-token cap with no fence stop, scored as `humaneval-sanitized` scores), each
+  configuration's mean printed, and those scores used by --pairs: what a change of scoring alone does;
 - with --pairs (0/1 scores): every pair of configurations on their shared units, not only each row
   against its baseline as the report does: wins/losses, difference with Newcombe's interval, exact
   McNemar p, the discordant fraction d and the difference McNemar resolves at 80% power, 2.8 sqrt(d/n);
@@ -17,6 +20,8 @@
     python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-core --fence-stop --rescore --pairs
     python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-lenience --pairs \
         --also benchmarks/sweeps/qwen-humaneval-core
+    python benchmarks/sweep_stats.py benchmarks/sweeps/qwen-humaneval-lenience --pairs \
+        --also benchmarks/sweeps/qwen-humaneval-core --score-as humaneval-sanitized
 """
 
 from __future__ import annotations
@@ -96,6 +101,27 @@ def rescore(rows: list[dict]) -> None:
         print(line)
 
 
+def score_as(rows: list[dict], suite_name: str) -> list[dict]:
+    """The rows with `score` replaced by `suite_name`'s primary score of their text (copies)."""
+    from verispec.evaluation.suites import load_suite
+
+    suite = load_suite(suite_name)
+    items = {item.id: item for item in suite.items}
+    missing = sorted({r["prompt_id"] for r in rows} - items.keys())
+    if missing:
+        raise SystemExit(f"--score-as {suite_name}: the suite has no item {missing[0]!r} "
+                         f"({len(missing)} prompt ids missing): score rows of the same task")
+    scored = [dict(r, score=suite.score(r["text"], items[r["prompt_id"]])[suite.primary],
+                   score_name=suite.primary) for r in rows]
+    print(f"\nscored as {suite_name} ({suite.primary}):")
+    by_config = defaultdict(list)
+    for row in scored:
+        by_config[row["config"]].append(row["score"])
+    for config, values in by_config.items():
+        print(f"  {config}: n={len(values)} mean {statistics.fmean(values):.3f}")
+    return scored
+
+
 def pairs(rows: list[dict]) -> None:
     from verispec.evaluation.report import is_score, mcnemar_exact, newcombe_paired_interval, paired_table
 
@@ -144,6 +170,8 @@ def main() -> None:
     parser.add_argument("--pairs", action="store_true", help="compare every pair of configurations")
     parser.add_argument("--also", nargs="+", default=[], metavar="DIR",
                         help="with --pairs: other sweeps (same settings) whose configurations join the pairs")
+    parser.add_argument("--score-as", metavar="SUITE",
+                        help="score every row's text with SUITE's scorer (printed, and used by --pairs)")
     args = parser.parse_args()
     rows = read_rows(f"{args.sweep}/results.jsonl")
     timings(rows)
@@ -154,8 +182,11 @@ def main() -> None:
         rescore(rows)
     if args.also and not args.pairs:
         parser.error("--also works with --pairs")
+    both = rows + other_configs(rows, args.also) if args.pairs else rows
+    if args.score_as:
+        both = score_as(both, args.score_as)
     if args.pairs:
-        pairs(rows + other_configs(rows, args.also))
+        pairs(both)
 
 
 if __name__ == "__main__":
