@@ -182,11 +182,11 @@ def main() -> None:
         rescore(rows)
     if args.also and not args.pairs:
         parser.error("--also works with --pairs")
-    both = rows + other_configs(rows, args.also) if args.pairs else rows
+    compared = rows + other_configs(rows, args.also) if args.pairs else rows
     if args.score_as:
-        both = score_as(both, args.score_as)
+        compared = score_as(compared, args.score_as)
     if args.pairs:
-        pairs(both)
+        pairs(compared)
 
 
 if __name__ == "__main__":
