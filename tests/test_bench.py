@@ -29,7 +29,7 @@ from verispec.sampling import SamplingConfig
 TARGET = os.environ.get("VERISPEC_TEST_TARGET", "default")
 DRAFT = os.environ.get("VERISPEC_TEST_DRAFT", "default-draft")
 TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds",
-          "batch_size", "batch_seconds", "run"}  # "run": the id of the sweep process that decoded it
+          "batch_size", "chunk_size", "batch_seconds", "run"}  # "run": the sweep process that decoded it
 
 
 @pytest.fixture(scope="module")
@@ -91,28 +91,33 @@ def bench_cmd(out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_sweep_results_do_not_depend_on_the_batch_size(tmp_path):
-    """Rows decoded 4 at a time equal rows decoded one by one: same units, same tokens, same acceptance;
+    """Rows decoded 4 at a time, or 2 at a time by continuous batching over work units of 6 rows
+    (--chunk), equal rows decoded one by one: same units, same tokens, same acceptance;
     the per-step statistics agree to float rounding. Bound: the two runs' float32 logits differ only by
     the rounding of different GEMM shapes, a few float32 ulps of logits of size ~10, so a per-position
     log-probability or shift term moves by ~1e-6 on any CPU (AVX-512 or AVX2 kernels alike); allowed:
     1e-5 per position, i.e. 1e-5 on a per-token mean and n * 1e-5 on log_ratio, a sum over n tokens.
     (A relative 1e-5 on log_ratio failed on another CPU: 0.1161186 vs 0.1161169, 1.7e-6 absolute.)"""
     results = {}
-    for size in (1, 4):  # in-process: the same code as the subprocess, without its start-up and model load
-        assert main(bench_args(tmp_path / f"b{size}", "--batch-size", str(size), "--no-report")) == 0
-        results[size] = {r["unit"]: r for r in read_rows(tmp_path / f"b{size}" / "results.jsonl")}
-    assert results[1].keys() == results[4].keys()
-    assert {r["batch_size"] for r in results[4].values()} == {4, 2}  # 6 (prompt, seed) rows: 4 + 2
-    for unit, one in results[1].items():
-        four = results[4][unit]
-        assert one["token_ids"] == four["token_ids"], unit
-        rates = one["acceptance_rate"], four["acceptance_rate"]
-        assert rates[0] == rates[1] or rates[0] != rates[0], (unit, rates)
-        n = len(one["token_ids"])
-        bounds = {"mean_tv": 1e-5, "mean_kl": 1e-5, "target_nll": 1e-5, "log_ratio": n * 1e-5}
-        for key, bound in bounds.items():
-            a, b = one[key], four[key]
-            assert abs(a - b) <= bound or (a != a and b != b), (unit, key, a, b)
+    # in-process: the same code as the subprocess, without its start-up and model load; "2/6": work
+    # units of all 6 rows decoded 2 at a time by continuous batching (--chunk)
+    for size, extra in (("1", ()), ("4", ()), ("2/6", ("--chunk", "6"))):
+        out = tmp_path / f"b{size.replace('/', '-')}"
+        assert main(bench_args(out, "--batch-size", size.split("/")[0], "--no-report", *extra)) == 0
+        results[size] = {r["unit"]: r for r in read_rows(out / "results.jsonl")}
+    assert results["1"].keys() == results["4"].keys() == results["2/6"].keys()
+    assert {r["batch_size"] for r in results["4"].values()} == {4, 2}  # 6 (prompt, seed) rows: 4 + 2
+    assert {(r["batch_size"], r["chunk_size"]) for r in results["2/6"].values()} == {(2, 6)}
+    for unit, one in results["1"].items():
+        for other in (results["4"][unit], results["2/6"][unit]):
+            assert one["token_ids"] == other["token_ids"], unit
+            rates = one["acceptance_rate"], other["acceptance_rate"]
+            assert rates[0] == rates[1] or rates[0] != rates[0], (unit, rates)
+            n = len(one["token_ids"])
+            bounds = {"mean_tv": 1e-5, "mean_kl": 1e-5, "target_nll": 1e-5, "log_ratio": n * 1e-5}
+            for key, bound in bounds.items():
+                a, b = one[key], other[key]
+                assert abs(a - b) <= bound or (a != a and b != b), (unit, key, a, b)
 
 
 def comparable(rows: list[dict]) -> dict:

@@ -33,7 +33,7 @@ SPEC = SweepSpec(rules=RULES, limit=4, seeds=(0, 1), max_new_tokens=16)
 BATCH = 2  # rows per unit: 4 prompts x 2 seeds = 4 chunks, x 5 configs = 20 units of 2 rows
 TOTAL = 4 * 2 * 5  # plain, lossless, speccascade, honest:speccascade, lenience
 TIMING = {"seconds", "tokens_per_second", "target_seconds", "draft_seconds", "diagnostics_seconds",
-          "batch_size", "batch_seconds", "run"}  # "run": the id of the sweep process that decoded it
+          "batch_size", "chunk_size", "batch_seconds", "run"}  # "run": the sweep process that decoded it
 
 
 def cli_args(out: Path, *extra: str) -> list[str]:
@@ -105,6 +105,19 @@ def test_ray_rows_equal_the_local_executors(cluster, reference, tmp_path):
         assert got[unit] == row, unit
     assert json.loads((tmp_path / "sweep.json").read_text())["backend"] == rows[0]["backend"]
     assert len({r["run"] for r in rows}) == 1  # the driver marks every worker's rows with its run id
+
+
+@pytest.mark.slow
+def test_ray_workers_decode_chunks_by_continuous_batching(cluster, reference, tmp_path):
+    """--chunk on Ray: units of 4 rows, each decoded 2 at a time (a finished row's slot goes to the next);
+    every unit once, the same tokens as the local static batches (the float metrics may differ by the
+    rounding of other batch compositions: tests/test_bench.py bounds them), rows marked batch 2, chunk 4."""
+    path = run_sweep(SPEC, tmp_path, progress=False, batch_size=BATCH, executor="ray",
+                     ray_options=RayOptions(workers=1), chunk=2 * BATCH)
+    rows = read_rows(path)
+    assert set(rows_per_unit(path).values()) == {1}
+    assert tokens(comparable(rows)) == tokens(reference)
+    assert {(r["batch_size"], r["chunk_size"]) for r in rows} == {(BATCH, 2 * BATCH)}
 
 
 @pytest.mark.slow

@@ -207,6 +207,15 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     mixed = {s["config"]: s for s in summarize(plain + copied)}
     assert math.isnan(mixed["lossless k=4 T=1"]["speedup"]) and mixed["lossless k=4 T=1"]["units"] == 2
     assert mixed["lossless k=4 T=1"]["unpaired"] == 0 and mixed["lossless k=4 T=1"]["reused"] == 2
+    # --chunk: a work unit of 8 rows decoded 4 at a time; a row's share is the unit's seconds over its 8
+    # rows, and it pairs only with a plain row of the same batch size and chunk
+    chunked = [{**row("plain T=1", "plain", p, 4, 2.0), "chunk_size": 8} for p in range(4)]  # 40 tok/s
+    chunked += [{**row("lossless k=4 T=1", "lossless", p, 4, 1.6), "chunk_size": 8} for p in range(2)]
+    summary = {s["config"]: s for s in summarize(chunked)}
+    assert summary["plain T=1"]["tokens_per_second"] == pytest.approx(40.0)
+    assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(2.0 / 1.6)
+    static = {s["config"]: s for s in summarize(chunked[:4] + fast)}  # batch 4 both, chunk 8 vs 4
+    assert math.isnan(static["lossless k=4 T=1"]["speedup"])
 
 
 def test_speedup_pairs_rows_timed_in_the_same_run():

@@ -249,3 +249,12 @@ def test_one_device_check_for_run_bench_and_the_server():
 def test_run_sweep_checks_out_before_the_spec(tmp_path):
     with pytest.raises(ValueError, match="empty path"):
         run_sweep(SweepSpec(device="no-such-device"), "", progress=False)
+
+
+@pytest.mark.parametrize("chunk", [0, 3, True, 4.5, "8"])
+def test_a_chunk_smaller_than_the_batch_or_not_an_integer_is_refused(tmp_path, chunk):
+    """--chunk holds the rows of a work unit, decoded --batch-size at a time: refused before anything
+    is created when it is not an integer >= the batch size."""
+    with pytest.raises(ValueError, match="chunk must be an integer >= batch_size"):
+        run_sweep(SweepSpec(), tmp_path / "out", progress=False, batch_size=4, chunk=chunk)
+    assert not (tmp_path / "out").exists()

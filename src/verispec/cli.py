@@ -150,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         path = run_sweep(spec, args.out, resume=args.resume, progress=not args.no_progress,
                          batch_size=args.batch_size, executor=args.executor, ray_options=ray_options,
-                         reuse_from=args.reuse_from, reuse_plain=args.reuse_plain)
+                         reuse_from=args.reuse_from, reuse_plain=args.reuse_plain, chunk=args.chunk)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -306,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=8,
                        help="(prompt, seed) rows decoded together per configuration (default 8); changes "
                             "timings, not results: speedups compare SD and plain at the same batch size")
+    bench.add_argument("--chunk", type=int, default=None, metavar="N",
+                       help="(prompt, seed) rows per work unit, decoded --batch-size at a time by "
+                            "continuous batching: a finished row's slot goes to the next row, so the batch "
+                            "stays full when replies end at different lengths (default: the batch size, a "
+                            "static batch); every configuration still runs on a unit's rows back to back. "
+                            "Timings, not results")
     bench.add_argument("--reuse-from", nargs="+", default=None, metavar="DIR",
                        help="copy the rows other sweeps already decoded for the same units (same models, "
                             "dtypes, device, prompts, seeds and configurations) instead of decoding them "

@@ -149,15 +149,16 @@ class SweepWorker:
             self.models, self.backend = (target, drafter, prompts), backend_of(target)
         return {**self.ping(), "backend": self.backend, "context_error": self.context_error}
 
-    def decode(self, spec, config, rows: list[tuple[int, int]]) -> list[dict]:
-        """The finished rows of one work unit: `config` on the (prompt index, seed) `rows`."""
+    def decode(self, spec, config, rows: list[tuple[int, int]], slots: int | None = None) -> list[dict]:
+        """The finished rows of one work unit: `config` on the (prompt index, seed) `rows`, at most
+        `slots` at once (continuous batching; None: all at once)."""
         self.load()  # a worker Ray restarted loads the pair again here
         if spec.backend != self.backend:
             raise ValueError(f"this worker runs the {self.backend} backend but the sweep is on "
                              f"{spec.backend}: set VERISPEC_BACKEND the same on every node")
         target, drafter, prompts = self.models
         members = [(index, self.suite.items[index], seed, config) for index, seed in rows]
-        return decode_rows(spec, self.suite, target, drafter, prompts, members, config, self.max_new)
+        return decode_rows(spec, self.suite, target, drafter, prompts, members, config, self.max_new, slots)
 
 
 @dataclass
@@ -193,6 +194,7 @@ class RayPool:
         self.options = options or RayOptions()
         self.options.validate()
         self.workers: list[_Worker] = []
+        self._slots: int | None = None  # rows decoding at once in a unit (run_units' chunk mode)
         self._connected = connect(self.ray, self.options.address)
         try:
             self._start(spec, suite, max_new, plan_workers(self.ray, self.options, spec.device))
@@ -250,12 +252,15 @@ class RayPool:
         return tuple(w.handle for w in self.workers if w.alive)
 
     def run_units(self, spec, suite, units, results_path, progress: bool, batch_size: int,
-                  on_row: Callable[[dict, tuple], None] | None = None, run: str = "") -> None:
+                  on_row: Callable[[dict, tuple], None] | None = None, run: str = "",
+                  chunk: int | None = None) -> None:
         """Hand the units not yet in the results file to the workers; append their rows as they land,
-        each marked with this sweep run's id (`run`, as the local executor's rows)."""
+        each marked with this sweep run's id (`run`, as the local executor's rows). `chunk`: as the
+        local executor's (units of `chunk` rows, `batch_size` decoding at once)."""
         ray = self.ray
+        self._slots = batch_size if chunk else None
         with ResultsFile(results_path) as store:
-            work = work_units(units, store.done, spec, batch_size)
+            work = work_units(units, store.done, spec, chunk or batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
                           for config, members in work)
             bar = unit_progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
@@ -312,7 +317,8 @@ class RayPool:
                         continue  # its rows landed already: never hand it out again
                     unit.members, unit.keys = [m for m, _ in kept], [k for _, k in kept]
                     rows = [(m[0], m[2]) for m in unit.members]
-                    in_flight[worker.handle.decode.remote(spec, unit.config, rows)] = (worker, unit)
+                    call = worker.handle.decode.remote(spec, unit.config, rows, self._slots)
+                    in_flight[call] = (worker, unit)
                     worker.in_flight += 1
 
     def _lost(self, worker: _Worker, unit: _Unit, err: BaseException, queue: deque) -> None:

@@ -160,15 +160,20 @@ def baseline_of(config_rule: str) -> str | None:
 
 
 def _row_seconds(row: dict) -> float:
-    """A row's share of the wall time of the batch it was decoded in (its own time at batch 1), so
-    tokens / seconds is throughput at that batch size."""
+    """A row's share of the wall time of the work unit it was decoded in (its own time at batch 1), so
+    tokens / seconds is throughput at that batch size: the unit's seconds over its rows (`chunk_size`;
+    rows written before chunks existed: the batch size, their unit's row count then)."""
     if "batch_seconds" in row:
-        return float(row["batch_seconds"]) / max(1, _batch_size(row))
+        return float(row["batch_seconds"]) / max(1, _chunk_size(row))
     return float(row["seconds"])
 
 
 def _batch_size(row: dict) -> int:
     return int(row.get("batch_size", 1))
+
+
+def _chunk_size(row: dict) -> int:
+    return int(row.get("chunk_size", _batch_size(row)))
 
 
 def is_score(x) -> bool:
@@ -216,15 +221,17 @@ def summarize(rows: list[dict]) -> list[dict]:
         s["drafted_per_call"] = proposed / max(1, sum(r["target_calls"] for r in group))
         plain_id = config_of.get(("plain", 0, r0["temperature"], None))
         pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
-        # only pairs decoded at the same batch size: a sweep resumed with another --batch-size may hold
-        # a row at one size and its plain row at another, and throughput grows with the batch; and only
+        # only pairs decoded at the same batch size and chunk: a sweep resumed with another --batch-size
+        # (--chunk) may hold a row at one size and its plain row at another, and throughput grows with
+        # the batch (and with the slots kept full); and only
         # pairs timed in the same run: a sweep resumed part-way through a chunk timed the chunk's other
         # configurations in another process (rows record their `run`; rows written before they did
         # pair as before), and a row copied by --reuse-from was timed beside another sweep's plain row
         # (a copied row is left out even beside a plain row copied from its own run, by --reuse-plain:
         # its speedup is the source sweep's, which that sweep's report gives)
         pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
-                 and _batch_size(a) == _batch_size(b) and a.get("run") == b.get("run")
+                 and _batch_size(a) == _batch_size(b) and _chunk_size(a) == _chunk_size(b)
+                 and a.get("run") == b.get("run")
                  and "reused_from" not in a and "reused_from" not in b]
         s["unpaired"] = (0 if plain_id is None or r0["rule"] == "plain" else
                          sum(1 for r in group if "reused_from" not in r) - len(pairs))
@@ -578,7 +585,7 @@ NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls",
 
 
 STRINGS = ("config", "rule", "family", "score_name")  # must be strings (prompt ids: strings or integers)
-OPTIONAL_NUMERIC = ("batch_size", "batch_seconds", "target_calls")
+OPTIONAL_NUMERIC = ("batch_size", "chunk_size", "batch_seconds", "target_calls")
 ALIGNED_STEPS = ("role", "tv", "draft_confidence", "draft_over_target")
 
 

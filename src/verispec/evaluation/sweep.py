@@ -80,7 +80,8 @@ EXECUTORS = ("local", "ray")
 def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progress: bool = True,
               batch_size: int = defaults.BATCH_SIZE, executor: str = "local", ray_options=None,
               on_row: Callable[[dict, tuple], None] | None = None,
-              reuse_from: str | Path | Sequence[str | Path] | None = None, reuse_plain: bool = False) -> Path:
+              reuse_from: str | Path | Sequence[str | Path] | None = None, reuse_plain: bool = False,
+              chunk: int | None = None) -> Path:
     """Run (or resume) a sweep; rows go to OUT_DIR/results.jsonl, the settings to OUT_DIR/sweep.json.
 
     Order: every setting is validated, the directory locked (one writer at a time), the models loaded
@@ -89,6 +90,13 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
     without a `sweep.json` it refuses rather than guess whose rows `results.jsonl` holds.
     `batch_size` (rows decoded together) changes timings, not results, so it is not part of the
     sweep's settings: a sweep may be resumed with another batch size.
+
+    `chunk` (None: `batch_size`): (prompt, seed) rows per work unit. Each configuration decodes a
+    unit's rows `batch_size` at a time by continuous batching (a finished row's slot goes to the next
+    row), so a chunk larger than the batch keeps the slots full when replies end at different lengths;
+    the configurations still run back to back on each unit's rows, so speed stays compared interleaved.
+    Timings only, like `batch_size` (rows draw from their own generators; matmul rounding aside,
+    docs/design.md 'Token roles'): not a setting, a sweep may be resumed with another chunk.
 
     `executor`: "local" decodes in this process; "ray" hands the same work units to Ray actors, each
     holding the model pair (`verispec.evaluation.ray_executor`, options in `ray_options`, a
@@ -110,6 +118,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         raise ValueError("reuse_plain (--reuse-plain) copies plain rows from --reuse-from: give the sweeps")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < batch_size):
+        raise ValueError(f"chunk must be an integer >= batch_size ({batch_size}), got {chunk!r}")
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     check_out_dir(out_dir)  # before anything starts: '' (the current directory), a file, an unwritable path
@@ -163,7 +173,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 _check_resumable(spec_path, spec, suite_file=suite_file)
             spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
             reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
-            pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run)
+            pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run, chunk=chunk)
     return results_path
 
 

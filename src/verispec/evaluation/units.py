@@ -256,18 +256,18 @@ def check_contexts(suite: Suite, prompts: list[list[int]], target, drafter, max_
             raise ValueError(f"prompt {item.id!r} of suite {suite.name}: {err}") from None
 
 
-def work_units(units, done: set[str], spec: SweepSpec, batch_size: int) -> list[tuple[RunConfig, list]]:
-    """The work still to do, in the order both executors hand it out: `batch_size` (prompt, seed) rows
-    at a time, every configuration on those rows back to back; each item is (config, its units)."""
+def work_units(units, done: set[str], spec: SweepSpec, chunk: int) -> list[tuple[RunConfig, list]]:
+    """The work still to do, in the order both executors hand it out: `chunk` (prompt, seed) rows at a
+    time, every configuration on those rows back to back; each item is (config, its units)."""
     todo = [u for u in units if unit_key(spec, u[1], u[2], u[3]) not in done]
     pending = {(u[0], u[2], u[3]): u for u in todo}  # (prompt index, seed, config) -> unit
     rows = list(dict.fromkeys((u[0], u[2]) for u in todo))  # (prompt index, seed), in unit order
     configs = list(dict.fromkeys(u[3] for u in units))
     out = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
         for config in configs:
-            members = [pending[(i, seed, config)] for i, seed in chunk if (i, seed, config) in pending]
+            members = [pending[(i, seed, config)] for i, seed in part if (i, seed, config) in pending]
             if members:
                 out.append((config, members))
     return out
@@ -280,22 +280,29 @@ def warm_up(target, drafter, prompt_ids: list[int]) -> None:
 
 
 def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members, config: RunConfig,
-                max_new: int) -> list[dict]:
-    """The finished rows of one work unit (one configuration on `members`), timed as one batch."""
+                max_new: int, slots: int | None = None) -> list[dict]:
+    """The finished rows of one work unit (one configuration on `members`), timed as one batch.
+
+    `slots`: at most that many rows decode at once, a finished row's place taken by the next member
+    (continuous batching, `decode.decode_prompts`); None: all members at once (a static batch). Each
+    row records `batch_size` (rows decoding at once: the slots, or fewer members), `chunk_size` (the
+    unit's rows) and `batch_seconds` (the unit's wall time), so its share of the time is
+    batch_seconds / chunk_size (`report._row_seconds`)."""
     began = time.perf_counter()
     stop_check = suite.stop(target.decode) if suite.stop is not None else None
-    generations = _decode(target, drafter, prompts, members, config, max_new, stop_check)
+    generations = _decode(target, drafter, prompts, members, config, max_new, stop_check, slots)
     batch_seconds = time.perf_counter() - began
     rows = []
+    width = len(members) if slots is None else min(slots, len(members))
     for (index, item, seed, _), gen in zip(members, generations):
         row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
-        row["batch_size"], row["batch_seconds"] = len(members), batch_seconds
+        row["batch_size"], row["chunk_size"], row["batch_seconds"] = width, len(members), batch_seconds
         rows.append(row)
     return rows
 
 
 def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
-            stop_check=None) -> list[Generation]:
+            stop_check=None, slots: int | None = None) -> list[Generation]:
     """The generations of one configuration on a batch of units, decoded together (`stop_check`: the
     suite's stop condition, `Suite.stop`)."""
     sampling = SamplingConfig(temperature=config.temperature)
@@ -303,10 +310,10 @@ def _decode(target, drafter, prompts, members, config: RunConfig, max_new: int,
     ids = [prompts[index] for index, _, _, _ in members]
     if config.rule == PLAIN:
         plain = DecodeConfig(max_new_tokens=max_new, sampling=sampling, stop_check=stop_check)
-        return decode_prompts(target, ids, generators, plain)
+        return decode_prompts(target, ids, generators, plain, batch_size=slots)
     decode = DecodeConfig(k=config.k, max_new_tokens=max_new, sampling=sampling, stop_check=stop_check,
                           tree=config.tree)
-    return decode_prompts(target, ids, generators, decode, drafter, config.rule)
+    return decode_prompts(target, ids, generators, decode, drafter, config.rule, batch_size=slots)
 
 
 def load_pair(spec: SweepSpec, suite: Suite) -> tuple:
@@ -337,8 +344,10 @@ class LocalExecutor:
         return False
 
     def run_units(self, spec: SweepSpec, suite: Suite, units, results_path, progress_bar: bool,
-                  batch_size: int, on_row=None, run: str = "") -> None:
-        """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time.
+                  batch_size: int, on_row=None, run: str = "", chunk: int | None = None) -> None:
+        """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time
+    (`chunk` > batch_size: work units of `chunk` rows, decoded `batch_size` at once by continuous
+    batching; `run_sweep`).
 
     Rows of one configuration are decoded together (`decode.decode_prompts`), and every
     configuration runs on the same rows back to back, so speed is compared interleaved and at the same
@@ -346,14 +355,14 @@ class LocalExecutor:
     its tokens do not depend on the batch it lands in (up to float rounding of different
     matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
         with ResultsFile(results_path) as store:
-            work = work_units(units, store.done, spec, batch_size)
+            work = work_units(units, store.done, spec, chunk or batch_size)
             todo = sum(len(members) for _, members in work)
             bar = progress(len(units), len(units) - todo, progress_bar)
             if work:
                 warm_up(self.target, self.drafter, self.prompts[0])
             for config, members in work:
                 for row in decode_rows(spec, suite, self.target, self.drafter, self.prompts, members, config,
-                                       self.max_new):
+                                       self.max_new, batch_size if chunk else None):
                     store.append({**row, "run": run})
                     if bar is not None:
                         bar.update(1)
