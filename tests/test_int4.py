@@ -130,6 +130,70 @@ def test_int4_weights_hold_no_private_dense_copy(int4_pair):
     assert all(lin.packed is not None and lin.weight_t is None and lin.weight is None for lin in packed)
 
 
+def _resident_kib(directory) -> int:
+    """Resident KiB of this process's mappings of files under `directory` (/proc/self/smaps)."""
+    root, total, inside = str(directory) + "/", 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[5].startswith(root)
+        elif fields[0] == "Rss:" and inside:
+            total += int(fields[1])
+    return total
+
+
+def test_drop_file_pages_leaves_the_resident_set_and_keeps_the_bytes(tmp_path):
+    """Low-memory models (issue 22): pages of a copy-on-write file mapping (as torch maps safetensors)
+    leave the resident set and read back the same bytes; a mapping with a written page is left alone
+    (dropping it would bring the file's bytes back)."""
+    import mmap
+
+    data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, rw-p
+    view = torch.frombuffer(mapped, dtype=torch.uint8)
+    assert int(view.sum()) == int(data.sum())  # every page read: resident
+    assert _resident_kib(tmp_path) >= 4 << 10
+    assert int4.drop_file_pages(tmp_path) >= 4 << 20
+    assert _resident_kib(tmp_path) == 0
+    assert torch.equal(view, data)  # read back from the file: the same bytes
+    view[0] = (int(data[0]) + 1) % 256  # a written page: the mapping now holds bytes the file does not
+    assert int4.drop_file_pages(tmp_path) == 0
+    assert int(view[0]) == (int(data[0]) + 1) % 256
+    del view
+    mapped.close()
+
+
+def test_low_memory_int4_runs_prompts_through_the_int4_kernel(int4_pair):
+    """dense_prompts=False (the -lowmem models): no dense twins, so a long prompt scores exactly as the
+    twin model does when its context passes are kept off the twins, and a prompt of at most DENSE_ABOVE
+    tokens (no twin either way) exactly as the twin model."""
+    from verispec.models import lean
+
+    dense, target, _ = int4_pair
+    low = dense.with_int4(requantize, "default-int4-lowmem", dense_prompts=False)
+    assert all(layer[key].dense is None for layer in low._lean_model().layers
+               for key in ("qkv", "o", "gate_up", "down"))
+    long = dense.encode(PROMPTS[0] * 3)
+    short = long[: int4.DENSE_ABOVE]
+    assert len(long) > int4.DENSE_ABOVE + 1
+    for ids in (short, long):
+        batch = torch.tensor([ids])  # [1, L]
+        got = low.session().logits_for(batch, 2)
+        if len(ids) > int4.DENSE_ABOVE:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(lean, "DENSE_ABOVE", 10**9)
+                want = target.session().logits_for(batch, 2)
+            assert not torch.equal(got, target.session().logits_for(batch, 2))  # the twins round otherwise
+        else:
+            want = target.session().logits_for(batch, 2)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="int4 weights only"):
+        HFModel(dense.model, dense.tokenizer, "x", dense_prompts=False)
+
+
 def test_greedy_speculative_decoding_equals_greedy_decoding_but_at_near_ties(int4_pair):
     """int4 matmuls give a row the same bits in a step and in a verification pass, attention does not
     (torch's CPU SDPA rounds a query differently by the query count: bf16 at multiples of 16 keys), so

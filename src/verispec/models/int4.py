@@ -99,6 +99,63 @@ class Int4Linear:
         return y.view(*x.shape[:-1], self.out_features)  # [..., out]
 
 
+MADV_DONTNEED = 4  # Linux <sys/mman.h>
+
+
+def drop_file_pages(directory: str | Path) -> int:
+    """Unmap from this process's resident set the pages of file mappings under `directory` (a
+    safetensors model's memory-mapped weights) that hold the file's own bytes, with
+    madvise(MADV_DONTNEED); returns the bytes advised.
+
+    For the low-memory int4 models (`dense_prompts=False`), once the lean forward is built: every int4
+    projection then reads its codes only, so the dense tensors transformers mapped from the file are
+    never read again, yet the pages the load touched would stay resident (counted in VmRSS) until the
+    kernel reclaims them. A dropped page is read again from the page cache (or the file) if anything
+    touches it later, with the same bytes, so nothing is lost: torch maps the file copy-on-write
+    (rw-p), and a mapping with any page written (`Anonymous` above 0 in /proc/self/smaps: dropping it
+    would bring back the file's bytes) is left alone. Linux only; elsewhere, or if /proc is
+    unreadable, returns 0."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    root = os.path.realpath(directory) + os.sep
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mappings = []  # [start, end, path, anonymous kB]
+    for line in lines:
+        fields = line.split(maxsplit=5)  # a mapping: address perms offset dev inode [path]
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mappings.append([start, end, fields[5].strip() if len(fields) == 6 else "", 0])
+        elif fields[0] == "Anonymous:" and mappings:
+            mappings[-1][3] = int(fields[1])
+    dropped = 0
+    for start, end, path, anonymous in mappings:
+        if path.startswith(root) and anonymous == 0:
+            if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) == 0:
+                dropped += end - start
+    return dropped
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc `malloc_trim(0)`; a no-op elsewhere):
+    after a low-memory model's build, whose temporaries (float32 copies of each weight) would otherwise
+    stay in the process's resident set as free heap."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def requantize(names: Sequence[str], weight: Tensor) -> Codes | None:
     """Min/max int4 codes of `weight` [out, in], per group of 32 inputs (lossy; for drafts)."""
     out, inp = weight.shape

@@ -26,7 +26,7 @@ a per-row causal mask). Batch 1 keeps `LeanSession`, which skips that bookkeepin
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +149,13 @@ def _alias(param: torch.nn.Parameter, linear: Linear, lo: int, hi: int) -> None:
 class LeanLlama:
     """Weights of a transformers Llama model, laid out for a fast incremental forward."""
 
-    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, int4: Int4Plan | None = None):
-        """`int4`: which projections to hold as int4 codes (`verispec.models.int4`; bf16 compute only)."""
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, int4: Int4Plan | None = None,
+                 dense_prompts: bool = True, after_layer: Callable[[], object] | None = None):
+        """`int4`: which projections to hold as int4 codes (`verispec.models.int4`; bf16 compute only).
+        `dense_prompts`: int4 projections keep transformers' dense tensors as twins for long context
+        passes (fast prompts); False: prompts run the int4 kernel too (slower prompts, and the dense
+        tensors are never read after the build: the low-memory models). `after_layer`: called once
+        each layer is built (the low-memory models drop the file pages it read: a lower peak)."""
         if not supports(hf_model):
             raise ValueError("the lean backend supports Llama and Qwen2 (no sliding window) models with "
                              f"default RoPE, got {hf_model.config.model_type}")
@@ -178,7 +183,7 @@ class LeanLlama:
             codes = None if int4 is None else int4(names, fused)
             if codes is None:
                 return Linear(fused, bias)
-            twin = PartsLinear([cast(p) for p in parts], bias) if prefill else None
+            twin = PartsLinear([cast(p) for p in parts], bias) if prefill and dense_prompts else None
             return Int4Linear(*codes, bias, dense=twin)
 
         self.embed = cast(inner.embed_tokens.weight)
@@ -202,6 +207,8 @@ class LeanLlama:
             })
             if mlp.gate_proj.bias is not None:
                 raise ValueError("the lean backend does not support MLP biases")
+            if after_layer is not None:
+                after_layer()
             w = self.layers[-1]
             nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             if not share:
