@@ -43,11 +43,27 @@ def test_requantize_is_within_half_a_step():
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(48, 96, generator=gen)
     codes, scales, mins = requantize([], weight)
-    assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    assert codes.dtype == torch.uint8 and int(codes.min()) >= 0 and int(codes.max()) <= 15
     err = (dequantize(codes, scales, mins) - weight).abs().view(48, 3, 32)  # [out, groups, 32]
     assert bool((err <= scales[..., None] / 2 + 1e-6).all())
     assert requantize([], torch.randn(16, 33)) is None  # not a whole number of groups: stays dense
     assert requantize([], torch.randn(8, 64)) is None  # outputs not in blocks of 16: stays dense
+
+
+def test_chunked_requantising_and_packing_equal_the_whole():
+    """requantize and Int4Linear work ROWS rows at a time (bounded temporaries): the same codes as one
+    pass over the whole weight, and packed chunks side by side are the kernel's packing of the whole
+    (its 64-row blocks), also with a tail of 16 rows."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(2 * 64 + 16, 96, generator=gen)  # [144, 96]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int4, "ROWS", 64)
+        chunked = requantize([], weight)
+        linear = Int4Linear(*chunked)
+    whole = int4._requantize_rows(weight)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(whole[0].to(torch.int32), 1)
+    assert torch.equal(linear.packed, packed)
 
 
 def test_rows_do_not_depend_on_the_row_count():

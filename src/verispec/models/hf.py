@@ -78,10 +78,12 @@ class HFModel:
         if self._lean is None:
             # low-memory int4: nothing reads the mapped dense weights after the build, so the pages each
             # layer's build read leave the resident set as it ends (a lower peak), and all at the end
-            source = getattr(self.model.config, "_name_or_path", "")
+            # (and of the GGUF a Q4_K plan reads its codes from)
+            sources = [getattr(self.model.config, "_name_or_path", ""), getattr(self.int4, "path", "")]
+            sources = [str(s) for s in sources if s and Path(s).exists()]
             drop = None
-            if not self.dense_prompts and source and Path(source).is_dir():
-                drop = lambda: drop_file_pages(source)  # noqa: E731
+            if not self.dense_prompts and sources:
+                drop = lambda: [drop_file_pages(s) for s in sources]  # noqa: E731
             self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4,
                                    dense_prompts=self.dense_prompts, after_layer=drop)
             release = getattr(self.int4, "release", None)  # a plan holding a file's memory map

@@ -34,7 +34,10 @@ import torch
 from torch import Tensor
 
 GROUP = 32  # inputs per scale/zero pair: a Q4_K sub-block
-# codes int32 [out, in] in 0..15, scales [out, in/32], mins [out, in/32]: w = code * scale + min
+# rows packed or requantised at a time (bounded temporaries: a 0.5B head is 136M weights); a multiple
+# of the kernel's 64-row packing blocks, so packed chunks side by side are the packed whole (tested)
+ROWS = 4096
+# codes uint8 or int32 [out, in] in 0..15, scales [out, in/32], mins [out, in/32]: w = code * scale + min
 Codes = tuple[Tensor, Tensor, Tensor]
 Int4Plan = Callable[[Sequence[str], Tensor], "Codes | None"]
 
@@ -83,8 +86,9 @@ class Int4Linear:
         if int(codes.min()) < 0 or int(codes.max()) > 15:
             raise ValueError("int4 codes must lie in 0..15")
         self.out_features, self.in_features = out, inp
-        codes = codes.to(torch.int32).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)  # opaque layout
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        self.packed = torch.cat([pack(codes[i : i + ROWS].to(torch.int32).contiguous(), 1)  # opaque layout
+                                 for i in range(0, out, ROWS)])  # [out, in/2], ROWS rows at a time
         # the kernel's w = (q - 8) * scale + zero, so zero = min + 8 * scale; [in/32, out, 2]
         zeros = mins.float() + 8 * scales.float()
         self.scale_zeros = torch.stack([scales.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16()
@@ -103,9 +107,9 @@ MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
 
 def drop_file_pages(directory: str | Path) -> int:
-    """Unmap from this process's resident set the pages of file mappings under `directory` (a
-    safetensors model's memory-mapped weights) that hold the file's own bytes, with
-    madvise(MADV_DONTNEED); returns the bytes advised.
+    """Unmap from this process's resident set the pages of mappings of the file `directory`, or of files
+    under it (a safetensors model's memory-mapped weights, a GGUF read for its codes) that hold the
+    file's own bytes, with madvise(MADV_DONTNEED); returns the bytes advised.
 
     For the low-memory int4 models (`dense_prompts=False`), once the lean forward is built: every int4
     projection then reads its codes only, so the dense tensors transformers mapped from the file are
@@ -119,7 +123,7 @@ def drop_file_pages(directory: str | Path) -> int:
     import ctypes.util
     import os
 
-    root = os.path.realpath(directory) + os.sep
+    root = os.path.realpath(directory)
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -136,7 +140,7 @@ def drop_file_pages(directory: str | Path) -> int:
             mappings[-1][3] = int(fields[1])
     dropped = 0
     for start, end, path, anonymous in mappings:
-        if path.startswith(root) and anonymous == 0:
+        if (path == root or path.startswith(root + os.sep)) and anonymous == 0:
             if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) == 0:
                 dropped += end - start
     return dropped
@@ -157,14 +161,22 @@ def trim_heap() -> None:
 
 
 def requantize(names: Sequence[str], weight: Tensor) -> Codes | None:
-    """Min/max int4 codes of `weight` [out, in], per group of 32 inputs (lossy; for drafts)."""
+    """Min/max int4 codes (uint8) of `weight` [out, in], per group of 32 inputs (lossy; for drafts);
+    ROWS rows at a time, so the float32 temporaries stay small (each row's codes are its own)."""
     out, inp = weight.shape
     if not supported(out, inp):
         return None
-    groups = weight.detach().float().view(out, inp // GROUP, GROUP)  # [out, in/32, 32]
+    parts = [_requantize_rows(weight[i : i + ROWS]) for i in range(0, out, ROWS)]
+    codes, scales, mins = (torch.cat(list(x)) for x in zip(*parts))
+    return codes, scales, mins
+
+
+def _requantize_rows(weight: Tensor) -> Codes:
+    out, inp = weight.shape
+    groups = weight.detach().float().view(out, inp // GROUP, GROUP)  # [rows, in/32, 32]
     low, high = groups.amin(-1), groups.amax(-1)
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.view(out, inp), scales, low
 
 
@@ -203,7 +215,7 @@ def q4k_codes(blocks: np.ndarray, rows: int, cols: int) -> Codes:
     codes = (qs & 0x0F).reshape(rows, cols)  # sub-block j of a super-block: low then high nibbles
     scales = (d * sc.astype(np.float32)).reshape(rows, cols // GROUP)
     mins = (-dmin * mn.astype(np.float32)).reshape(rows, cols // GROUP)
-    return torch.from_numpy(codes.astype(np.int32)), torch.from_numpy(scales), torch.from_numpy(mins)
+    return torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scales), torch.from_numpy(mins)
 
 
 class Q4KPlan:
