@@ -91,6 +91,23 @@ def test_batched_logits_match_single_rows(target, batch):
         assert_rows_close(logits, target.session().logits_for(seq[None], 1)[0], TOL)
 
 
+def test_a_row_joining_decoding_rows_feeds_its_prompt_in_a_pass_of_its_own(target):
+    """Continuous batching: a new row beside rows already decoding would pad every row of the pass to
+    its prompt, so its context goes in a pass of its own (one extra call) and every row's last position
+    in one batched pass; each row scores as it does alone. Rows that all start together (a static
+    batch) share one pass (test_batched_logits_match_single_rows)."""
+    seqs = prompts(target, 4)[2:]  # 7 and 64 tokens
+    session = target.batch_session()
+    got = session.logits_for([0, 1], seqs, [1, 1])
+    nxt = [torch.cat([s, g.argmax(-1)]) for s, g in zip(seqs, got)]
+    joining = prompts(target, 2)[1]  # 300 tokens
+    calls = target.calls
+    got = session.logits_for([0, 1, 2], [*nxt, joining], [1, 1, 1])
+    assert target.calls == calls + 2  # the joining row's context, then one batched pass
+    for seq, logits in zip([*nxt, joining], got):
+        assert_rows_close(logits, target.session().logits_for(seq[None], 1)[0], TOL)
+
+
 def speculative_rounds(model: HFModel, session, seqs: dict[int, torch.Tensor], rounds: int, seed: int,
                        subset: bool = True) -> None:
     """Per round, each (participating) row gets k+1 new tokens scored in one batched pass, then keeps a

@@ -534,27 +534,32 @@ class LeanBatchSession:
     @torch.inference_mode()
     def logits_for(self, rows: Sequence[int], tokens: Sequence[Tensor], n: Sequence[int]) -> list[Tensor]:
         check_batch_request(rows, tokens, n)
-        feeds, slots = [], []
+        feeds, slots, fresh = [], [], []
         for row, seq, count in zip(rows, tokens, n):
             seq = seq.to(torch.long).cpu()
             if row not in self._slot:
                 self._slot[row] = self.cache.acquire()
             slot = self._slot[row]
             held = self._cached.get(row, seq[:0])
+            fresh.append(held.shape[0] == 0)
             common = min(held.shape[0], seq.shape[0] - count)
             if common > 0:  # length of the agreeing prefix
                 same = held[:common] == seq[:common]  # [common]
                 common = int(same.to(torch.int64).cumprod(0).sum())
             self.cache.lengths[slot] = common
-            feed = seq[common:]
-            if self.lean.int4 and feed.shape[0] > count:
-                # int4 projections: the row's context (before its last n) in a pass of its own, as
-                # `CachedSession.logits_for` does at batch 1; then every row's last n together
-                self.owner.calls += 1
-                self.lean.context(feed[None, :-count], _SlotView(self.cache, slot))  # [1, c]
-                feed = feed[-count:]
-            feeds.append(feed)
+            feeds.append(seq[common:])
             slots.append(slot)
+        # a row joining rows already decoding (continuous batching: an empty cache beside filled ones)
+        # would pad every row of the pass to its prompt: its context goes in a pass of its own instead
+        # (rows that all start together, a static batch, still share one pass)
+        joining = any(fresh) and not all(fresh)
+        for i, (feed, count) in enumerate(zip(feeds, n)):
+            if feed.shape[0] > count and (self.lean.int4 or joining):
+                # int4 projections, or a joining row: the row's context (before its last n) in a pass of
+                # its own, as `CachedSession.logits_for` does at batch 1; then every row's last n together
+                self.owner.calls += 1
+                self.lean.context(feed[None, :-count], _SlotView(self.cache, slots[i]))  # [1, c]
+                feeds[i] = feed[-count:]
         self.owner.calls += 1
         if len(rows) == 1:  # one row: the batch-1 pass on its slot, without padding, gathers or index tensors
             x = self.lean.hidden(feeds[0][None], _SlotView(self.cache, slots[0]))[0]  # [m, d]
