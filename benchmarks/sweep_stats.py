@@ -92,8 +92,14 @@ def fence_stop(rows: list[dict], target: str) -> None:
 
 
 def rescore(rows: list[dict]) -> None:
+    """Score every row's text again and name the rows whose score differs; rows copied from another
+    sweep (--reuse-from) are left to that sweep's own rescoring."""
     from verispec.evaluation.suites import load_suite
 
+    copied = sum(1 for r in rows if "reused_from" in r)
+    rows = [r for r in rows if "reused_from" not in r]
+    if copied:
+        print(f"\nnot rescored here: {copied} rows copied from another sweep (rescore that sweep)")
     suites = {}
     changed = []
     for row in rows:
