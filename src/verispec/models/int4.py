@@ -26,6 +26,9 @@ greedy decoding but at near ties (docs/design.md, 'Weights and kernels of the le
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -119,10 +122,6 @@ def drop_file_pages(directory: str | Path) -> int:
     (rw-p), and a mapping with any page written (`Anonymous` above 0 in /proc/self/smaps: dropping it
     would bring back the file's bytes) is left alone. Linux only; elsewhere, or if /proc is
     unreadable, returns 0."""
-    import ctypes
-    import ctypes.util
-    import os
-
     root = os.path.realpath(directory)
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
@@ -150,9 +149,6 @@ def trim_heap() -> None:
     """Hand the C heap's free memory back to the system (glibc `malloc_trim(0)`; a no-op elsewhere):
     after a low-memory model's build, whose temporaries (float32 copies of each weight) would otherwise
     stay in the process's resident set as free heap."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim(0)
