@@ -19,16 +19,16 @@ from pathlib import Path
 
 from common import environment, print_table
 
+from verispec.evaluation.report import row_seconds
 from verispec.evaluation.store import read_rows
 
 
 def rate(rows: list[dict]) -> tuple[float, dict[str, float]]:
     """Rows a minute of decoding, and tokens/s per configuration (tokens over the units' seconds)."""
-    share = lambda r: r["batch_seconds"] / r.get("chunk_size", r["batch_size"])  # noqa: E731
     tokens, seconds = defaultdict(int), defaultdict(float)
     for r in rows:
         tokens[r["config"]] += r["tokens"]
-        seconds[r["config"]] += share(r)
+        seconds[r["config"]] += row_seconds(r)
     return 60 * len(rows) / sum(seconds.values()), {c: tokens[c] / seconds[c] for c in tokens}
 
 

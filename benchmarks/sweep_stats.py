@@ -31,13 +31,8 @@ import itertools
 import statistics
 from collections import defaultdict
 
-from verispec.evaluation.report import summarize
+from verispec.evaluation.report import row_seconds, summarize
 from verispec.evaluation.store import read_rows
-
-
-def unit_share(row: dict) -> float:
-    """A row's share of its work unit's wall time (the unit's seconds over its rows)."""
-    return row["batch_seconds"] / row.get("chunk_size", row["batch_size"])
 
 
 def timings(rows: list[dict]) -> None:
@@ -46,14 +41,14 @@ def timings(rows: list[dict]) -> None:
         size = int(row.get("batch_size", 1))
         by_size[(size, int(row.get("chunk_size", size)))].append(row)
     for (size, chunk), group in sorted(by_size.items()):
-        seconds = sum(unit_share(r) for r in group if "reused_from" not in r)
+        seconds = sum(row_seconds(r) for r in group if "reused_from" not in r)
         done = sum(1 for r in group if "reused_from" not in r)
         rate = f"{60 * done / seconds:.2f} rows/min of decoding" if seconds else "no rows decoded here"
         print(f"\nbatch size {size}, chunk {chunk} ({done} rows decoded here: {rate})")
         print(f"{'config':56} rows tokens unit_s  tok/s speedup target_s/pass draft_s/step")
         for s in summarize(group):
             mine = [r for r in group if r["config"] == s["config"]]
-            unit_seconds = sum(unit_share(r) for r in mine)  # the units' wall time
+            unit_seconds = sum(row_seconds(r) for r in mine)  # the units' wall time
             per_pass = statistics.median(r["target_seconds"] / r["target_calls"] for r in mine)
             drafts = [r["draft_seconds"] / r["draft_calls"] for r in mine if r["draft_calls"]]
             draft = f"{statistics.median(drafts):.3f}" if drafts else "-"

@@ -194,7 +194,6 @@ class RayPool:
         self.options = options or RayOptions()
         self.options.validate()
         self.workers: list[_Worker] = []
-        self._slots: int | None = None  # rows decoding at once in a unit (run_units' chunk mode)
         self._connected = connect(self.ray, self.options.address)
         try:
             self._start(spec, suite, max_new, plan_workers(self.ray, self.options, spec.device))
@@ -258,7 +257,6 @@ class RayPool:
         each marked with this sweep run's id (`run`, as the local executor's rows). `chunk`: as the
         local executor's (units of `chunk` rows, `batch_size` decoding at once)."""
         ray = self.ray
-        self._slots = batch_size if chunk else None
         with ResultsFile(results_path) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
@@ -267,7 +265,7 @@ class RayPool:
             in_flight: dict = {}  # object ref -> (worker, unit)
             try:
                 while queue or in_flight:
-                    self._hand_out(spec, queue, in_flight, store.done)
+                    self._hand_out(spec, queue, in_flight, store.done, batch_size)
                     if not in_flight:
                         if not queue:
                             break  # the last units' rows had all landed already
@@ -306,7 +304,7 @@ class RayPool:
                  "LocalRayletDiedError")
         return tuple(getattr(exceptions, name) for name in names if hasattr(exceptions, name))
 
-    def _hand_out(self, spec, queue: deque, in_flight: dict, done: set[str]) -> None:
+    def _hand_out(self, spec, queue: deque, in_flight: dict, done: set[str], slots: int) -> None:
         """Top every live worker up to `max_in_flight` units, one round at a time (fair shares)."""
         for slot in range(self.options.max_in_flight):
             for worker in self.workers:
@@ -317,8 +315,7 @@ class RayPool:
                         continue  # its rows landed already: never hand it out again
                     unit.members, unit.keys = [m for m, _ in kept], [k for _, k in kept]
                     rows = [(m[0], m[2]) for m in unit.members]
-                    call = worker.handle.decode.remote(spec, unit.config, rows, self._slots)
-                    in_flight[call] = (worker, unit)
+                    in_flight[worker.handle.decode.remote(spec, unit.config, rows, slots)] = (worker, unit)
                     worker.in_flight += 1
 
     def _lost(self, worker: _Worker, unit: _Unit, err: BaseException, queue: deque) -> None:

@@ -159,7 +159,7 @@ def baseline_of(config_rule: str) -> str | None:
     return honest.spec if honest is not None else "lossless"
 
 
-def _row_seconds(row: dict) -> float:
+def row_seconds(row: dict) -> float:
     """A row's share of the wall time of the work unit it was decoded in (its own time at batch 1), so
     tokens / seconds is throughput at that batch size: the unit's seconds over its rows (`chunk_size`;
     rows written before chunks existed: the batch size, their unit's row count then)."""
@@ -229,20 +229,20 @@ def summarize(rows: list[dict]) -> list[dict]:
         # pair as before), and a row copied by --reuse-from was timed beside another sweep's plain row
         # (a copied row is left out even beside a plain row copied from its own run, by --reuse-plain:
         # its speedup is the source sweep's, which that sweep's report gives)
-        pairs = [(a, b) for a, b in pairs if b is not None and _row_seconds(a) > 0 and _row_seconds(b) > 0
+        pairs = [(a, b) for a, b in pairs if b is not None and row_seconds(a) > 0 and row_seconds(b) > 0
                  and _batch_size(a) == _batch_size(b) and _chunk_size(a) == _chunk_size(b)
                  and a.get("run") == b.get("run")
                  and "reused_from" not in a and "reused_from" not in b]
         s["unpaired"] = (0 if plain_id is None or r0["rule"] == "plain" else
                          sum(1 for r in group if "reused_from" not in r) - len(pairs))
         if pairs:
-            mine = sum(a["tokens"] for a, _ in pairs) / sum(_row_seconds(a) for a, _ in pairs)
-            plain = sum(b["tokens"] for _, b in pairs) / sum(_row_seconds(b) for _, b in pairs)
+            mine = sum(a["tokens"] for a, _ in pairs) / sum(row_seconds(a) for a, _ in pairs)
+            plain = sum(b["tokens"] for _, b in pairs) / sum(row_seconds(b) for _, b in pairs)
             s["speedup"] = mine / plain
         else:
             s["speedup"] = math.nan
         s["tokens_per_second"] = (sum(r["tokens"] for r in group)
-                                  / max(1e-9, sum(_row_seconds(r) for r in group)))
+                                  / max(1e-9, sum(row_seconds(r) for r in group)))
         s["batch_sizes"] = sorted({_batch_size(r) for r in group})
         s["reused"] = sum(1 for r in group if "reused_from" in r)
         steps = defaultdict(list)

@@ -287,7 +287,7 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
     (continuous batching, `decode.decode_prompts`); None: all members at once (a static batch). Each
     row records `batch_size` (rows decoding at once: the slots, or fewer members), `chunk_size` (the
     unit's rows) and `batch_seconds` (the unit's wall time), so its share of the time is
-    batch_seconds / chunk_size (`report._row_seconds`)."""
+    batch_seconds / chunk_size (`report.row_seconds`)."""
     began = time.perf_counter()
     stop_check = suite.stop(target.decode) if suite.stop is not None else None
     generations = _decode(target, drafter, prompts, members, config, max_new, stop_check, slots)
@@ -345,9 +345,8 @@ class LocalExecutor:
 
     def run_units(self, spec: SweepSpec, suite: Suite, units, results_path, progress_bar: bool,
                   batch_size: int, on_row=None, run: str = "", chunk: int | None = None) -> None:
-        """Decode the units not yet in the results file, `batch_size` (prompt, seed) rows at a time
-    (`chunk` > batch_size: work units of `chunk` rows, decoded `batch_size` at once by continuous
-    batching; `run_sweep`).
+        """Decode the units not yet in the results file: work units of `chunk` (default `batch_size`)
+    (prompt, seed) rows, decoded `batch_size` at once by continuous batching (`run_sweep`).
 
     Rows of one configuration are decoded together (`decode.decode_prompts`), and every
     configuration runs on the same rows back to back, so speed is compared interleaved and at the same
@@ -362,7 +361,7 @@ class LocalExecutor:
                 warm_up(self.target, self.drafter, self.prompts[0])
             for config, members in work:
                 for row in decode_rows(spec, suite, self.target, self.drafter, self.prompts, members, config,
-                                       self.max_new, batch_size if chunk else None):
+                                       self.max_new, batch_size):
                     store.append({**row, "run": run})
                     if bar is not None:
                         bar.update(1)

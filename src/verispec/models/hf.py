@@ -79,11 +79,11 @@ class HFModel:
             # low-memory int4: nothing reads the mapped dense weights after the build, so the pages each
             # layer's build read leave the resident set as it ends (a lower peak), and all at the end
             # (and of the GGUF a Q4_K plan reads its codes from)
-            sources = [getattr(self.model.config, "_name_or_path", ""), getattr(self.int4, "path", "")]
-            sources = [str(s) for s in sources if s and Path(s).exists()]
             drop = None
-            if not self.dense_prompts and sources:
-                drop = lambda: [drop_file_pages(s) for s in sources]  # noqa: E731
+            if not self.dense_prompts:
+                sources = [getattr(self.model.config, "_name_or_path", ""), getattr(self.int4, "path", "")]
+                sources = [s for s in sources if s and Path(s).exists()]
+                drop = lambda: drop_file_pages(*sources)  # noqa: E731
             self._lean = LeanLlama(self.model, dtype=next(self.model.parameters()).dtype, int4=self.int4,
                                    dense_prompts=self.dense_prompts, after_layer=drop)
             release = getattr(self.int4, "release", None)  # a plan holding a file's memory map

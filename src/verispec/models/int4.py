@@ -109,10 +109,15 @@ class Int4Linear:
 MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
 
-def drop_file_pages(directory: str | Path) -> int:
-    """Unmap from this process's resident set the pages of mappings of the file `directory`, or of files
-    under it (a safetensors model's memory-mapped weights, a GGUF read for its codes) that hold the
-    file's own bytes, with madvise(MADV_DONTNEED); returns the bytes advised.
+def _libc() -> ctypes.CDLL:
+    """The C library (OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def drop_file_pages(*paths: str | Path) -> int:
+    """Unmap from this process's resident set the pages of mappings of each file in `paths`, or of files
+    under a directory there (a safetensors model's memory-mapped weights, a GGUF read for its codes)
+    that hold the file's own bytes, with madvise(MADV_DONTNEED); returns the bytes advised.
 
     For the low-memory int4 models (`dense_prompts=False`), once the lean forward is built: every int4
     projection then reads its codes only, so the dense tensors transformers mapped from the file are
@@ -122,10 +127,10 @@ def drop_file_pages(directory: str | Path) -> int:
     (rw-p), and a mapping with any page written (`Anonymous` above 0 in /proc/self/smaps: dropping it
     would bring back the file's bytes) is left alone. Linux only; elsewhere, or if /proc is
     unreadable, returns 0."""
-    root = os.path.realpath(directory)
+    roots = [os.path.realpath(p) for p in paths]
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
     except OSError:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -139,7 +144,8 @@ def drop_file_pages(directory: str | Path) -> int:
             mappings[-1][3] = int(fields[1])
     dropped = 0
     for start, end, path, anonymous in mappings:
-        if (path == root or path.startswith(root + os.sep)) and anonymous == 0:
+        inside = any(path == root or path.startswith(root + os.sep) for root in roots)
+        if inside and anonymous == 0:
             if libc.madvise(ctypes.c_void_p(start), end - start, MADV_DONTNEED) == 0:
                 dropped += end - start
     return dropped
@@ -150,8 +156,7 @@ def trim_heap() -> None:
     after a low-memory model's build, whose temporaries (float32 copies of each weight) would otherwise
     stay in the process's resident set as free heap."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
