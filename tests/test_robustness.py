@@ -193,6 +193,20 @@ def test_unit_key_and_sweep_json_cover_dtype_device_and_backend(sweep_dir, tmp_p
     assert "different sweep" in err
 
 
+def test_a_resume_may_add_seeds_but_not_drop_them(sweep_dir, tmp_path, capsys):
+    d = copy_of(sweep_dir, tmp_path)
+    before = read_rows(d / "results.jsonl")
+    small = [a for a in SMALL if a not in ("--seeds", "0")]
+    assert main(["bench", *small, "--seeds", "0", "1", "--resume", "--out", str(d)]) == 0
+    after = read_rows(d / "results.jsonl")
+    assert after[:2] == before and sorted(r["seed"] for r in after) == [0, 0, 1, 1]
+    assert json.loads((d / "sweep.json").read_text())["seeds"] == [0, 1]
+    capsys.readouterr()  # the first run's output
+    err = cli_error(capsys, ["bench", *small, "--seeds", "1", "--resume", "--out", str(d)])
+    assert "may add seeds, not drop them" in err
+    assert read_rows(d / "results.jsonl") == after
+
+
 def test_corrupted_lines_are_skipped_with_file_and_line(sweep_dir, tmp_path, caplog):
     from verispec.evaluation.store import scan_rows
 

@@ -268,7 +268,8 @@ def check_config_ids(results_path: Path, configs: list[RunConfig]) -> None:
 
 def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = False,
                      suite_file: dict | None = None) -> None:
-    """Refuse to resume a sweep whose sweep.json describes other settings (the backend aside if asked:
+    """Refuse to resume a sweep whose sweep.json describes other settings (more seeds aside: a resume may
+    extend a sweep to seeds it did not have; the backend aside if asked:
     the Ray executor learns it from its workers, and checks it again then), or whose data file changed
     since (`suite_file`: ValueError naming the ids added, removed and edited)."""
     try:
@@ -281,6 +282,14 @@ def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = Fa
     new_settings = json.loads(_settings_json(replace(spec, backend=None) if ignore_backend else spec))
     if ignore_backend:
         old_settings["backend"] = None
+    old_seeds, new_seeds = old_settings.pop("seeds", None), new_settings.pop("seeds", None)
+    if old_settings == new_settings and old_seeds != new_seeds:
+        # more seeds for the same sweep: the old seeds' units keep their keys and rows (each row's generator
+        # is seeded by its own (seed, prompt index)); dropping a seed would orphan rows, so it is refused
+        if not isinstance(old_seeds, list) or not set(old_seeds) <= set(new_seeds):
+            raise ValueError(f"{spec_path} was run with --seeds {old_seeds}: a resume may add seeds, not "
+                             f"drop them (got --seeds {new_seeds}); use a new --out")
+        log.info("%s: extending the sweep from seeds %s to %s", spec_path, old_seeds, new_seeds)
     if old_settings != new_settings:
         raise ValueError(f"{spec_path} describes a different sweep "
                          "(settings, dtype, device, backend or "
