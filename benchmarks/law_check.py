@@ -22,18 +22,13 @@ The fresh pass differs from the in-loop logits by rounding (bf16 weights, other 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+from common import FreshPass, every_nth
 
-from verispec.api import encode_prompt
 from verispec.diagnostics.law_check import LawCheck, token_statistics
-from verispec.evaluation.store import read_rows
-from verispec.evaluation.suites import load_suite
-from verispec.models import load_model
 from verispec.rules.registry import parse
 from verispec.sampling import SamplingConfig, process
 
@@ -61,11 +56,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["plain T=1", "lossless k=4 T=1"])
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="sweep seeds to read (default all)")
     args = ap.parse_args()
-    settings = json.loads((Path(args.sweep) / "sweep.json").read_text())
-    rows = read_rows(Path(args.sweep) / "results.jsonl")
-    target = load_model(settings["target"], dtype=getattr(torch, settings["dtype"]))
-    suite = load_suite(settings["suite"])
-    items = {item.id: item for item in suite.items}
+    fresh = FreshPass(args.sweep)
+    rows = fresh.rows
     seeds = args.seeds if args.seeds is not None else sorted({r["seed"] for r in rows})
     generator = torch.Generator().manual_seed(20261204)  # the PIT's v_t and the power check's tokens
     checks: dict[tuple[str, int | str], LawCheck] = defaultdict(LawCheck)
@@ -73,11 +65,9 @@ def main() -> None:
     for config in args.configs:
         for seed in seeds:
             mine = [r for r in rows if r["config"] == config and r["seed"] == seed]
-            for row in mine[:: max(1, len(mine) // args.rows)][: args.rows]:
-                prompt = encode_prompt(target, items[row["prompt_id"]].prompt, suite.chat)
+            for row in every_nth(mine, args.rows):
                 reply = torch.tensor(row["token_ids"])  # [n]
-                ids = torch.tensor([prompt + row["token_ids"][:-1]])  # [1, L + n - 1]: t predicts t + 1
-                logits = target.session().logits_for(ids, len(reply))[0].float()  # [n, V]
+                logits = fresh.logits(row)  # [n, V]
                 log_law = claimed_law(row)(logits).log()  # [n, V]
                 statistics = token_statistics(log_law, reply, generator)
                 for key in ((config, seed), (config, "pooled")):

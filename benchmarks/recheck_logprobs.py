@@ -14,17 +14,12 @@ the two can be compared.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+from common import FreshPass, every_nth
 
-from verispec.api import encode_prompt
-from verispec.evaluation.store import read_rows
-from verispec.evaluation.suites import load_suite
-from verispec.models import load_model
 
 
 def main() -> None:
@@ -33,19 +28,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12, help="rows per configuration (every n-th)")
     ap.add_argument("--configs", nargs="+", default=["plain T=1", "lossless k=4 T=1"])
     args = ap.parse_args()
-    settings = json.loads((Path(args.sweep) / "sweep.json").read_text())
-    rows = read_rows(Path(args.sweep) / "results.jsonl")
-    target = load_model(settings["target"], dtype=getattr(torch, settings["dtype"]))
-    suite = load_suite(settings["suite"])
-    items = {item.id: item for item in suite.items}
+    fresh_pass = FreshPass(args.sweep)
     diffs: dict[str, list[float]] = defaultdict(list)
     for config in args.configs:
-        mine = [r for r in rows if r["config"] == config]
-        for row in mine[:: max(1, len(mine) // args.rows)][: args.rows]:
-            prompt = encode_prompt(target, items[row["prompt_id"]].prompt, suite.chat)
+        mine = [r for r in fresh_pass.rows if r["config"] == config]
+        for row in every_nth(mine, args.rows):
             reply = list(row["token_ids"])
-            ids = torch.tensor([prompt + reply[:-1]])  # [1, L + n - 1]: position t predicts token t + 1
-            logits = target.session().logits_for(ids, len(reply))[0].float()  # [n, V], one fresh pass
+            logits = fresh_pass.logits(row)  # [n, V], one fresh pass
             fresh = logits.log_softmax(-1).gather(-1, torch.tensor(reply)[:, None])[:, 0]  # [n]
             recorded = torch.tensor(row["steps"]["log_target_raw"], dtype=torch.float32)[: len(reply)]
             diffs[config] += (fresh - recorded).abs().tolist()
