@@ -22,6 +22,7 @@ The fresh pass differs from the in-loop logits by rounding (bf16 weights, other 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 
@@ -62,10 +63,14 @@ def main() -> None:
     generator = torch.Generator().manual_seed(20261204)  # the PIT's v_t and the power check's tokens
     checks: dict[tuple[str, int | str], LawCheck] = defaultdict(LawCheck)
     started = time.perf_counter()
+    done = 0
     for config in args.configs:
         for seed in seeds:
             mine = [r for r in rows if r["config"] == config and r["seed"] == seed]
             for row in every_nth(mine, args.rows):
+                done += 1
+                if done % 20 == 0:  # about 4 s a row: a line every minute or so, on stderr
+                    print(f"{done} rows checked, {time.perf_counter() - started:.0f} s", file=sys.stderr)
                 reply = torch.tensor(row["token_ids"])  # [n]
                 logits = fresh.logits(row)  # [n, V]
                 log_law = claimed_law(row)(logits).log()  # [n, V]

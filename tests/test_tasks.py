@@ -99,7 +99,8 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
 
 
 def test_level_table_on_constructed_rows():
-    """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction."""
+    """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
+    level."""
     from verispec.evaluation.report import baseline_of
 
     gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
@@ -115,5 +116,7 @@ def test_level_table_on_constructed_rows():
     table = comparisons.level_table(rows, baseline_of)
     gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
     assert "+0.000 [+0.000, +0.000] n=6" in gate_line and "-0.500 [" in gate_line
+    slope = gate_line.split()[-5:]  # the trend column: estimate [low, high] p value
+    assert slope[0] == "-0.500" and slope[-2] == "p", gate_line
     assert "0.500" in next(line for line in table.splitlines() if line.startswith("plain score"))
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""

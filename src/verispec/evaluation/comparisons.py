@@ -303,34 +303,140 @@ def _legacy_protocol(row: dict) -> str:
 # ------------------------------------------------------------------------------ difficulty levels
 
 
+def _differences(rows: list[dict], key: tuple, base: str) -> list[tuple[str, int, float]]:
+    """(problem, seed, score of config `key` minus score of `base`) for every (problem, seed) both have,
+    `base` at the same temperature (and k, unless it is plain)."""
+    units = _units(rows)
+    base_key = next((k for k in units
+                     if k[0] == base and k[2] == key[2] and (base == PLAIN or k[1] == key[1])), None)
+    if base_key is None:
+        return []
+    out = []
+    for (problem, seed), row in units[key].items():
+        other = units[base_key].get((problem, seed))
+        if other is not None and all(isinstance(r.get("score"), (int, float)) and math.isfinite(r["score"])
+                                     for r in (row, other)):
+            out.append((problem, seed, float(row["score"]) - float(other["score"])))
+    return out
+
+
+def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
+    """(config key, its honest truncation baseline) for every truncation rule among the rows."""
+    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    out = []
+    for key in configs:
+        base = baseline_of(key[0]) if key[0] != PLAIN else None
+        if base is not None and base.startswith("honest:"):
+            out.append((key, base))
+    return out
+
+
+def _slope_text(e: stats.SlopeEstimate) -> str:
+    return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}] p {_p(e.p_value)}"
+
+
 def level_table(rows: list[dict], baseline_of) -> str:
     """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
     each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
-    its 95% interval clustered by problem, and plain decoding's score per level (the difficulty itself);
+    its 95% interval clustered by problem, the trend (the slope of that difference per level, clustered
+    by problem: `stats.clustered_slope`), and plain decoding's score per level (the difficulty itself);
     empty when the rows have no levels or no rule with an honest baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
     if not levels:
         return ""
-    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
-    head = ["config - honest baseline", *[f"level {lv}" for lv in levels]]
+    head = ["config - honest baseline", *[f"level {lv}" for lv in levels], "trend per level"]
     body = []
-    for key in configs:
-        base = baseline_of(key[0]) if key[0] != PLAIN else None
-        if base is None or not base.startswith("honest:"):
-            continue
+    for key, base in _honest_configs(rows, baseline_of):
         cells = [_config_name(key)]
         for lv in levels:
             subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
             found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
             cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.clusters}" if found else "-")
+        points = [(problem, float(level_of(problem)), d) for problem, _, d in _differences(rows, key, base)
+                  if level_of(problem) is not None]
+        cells.append(_slope_text(stats.clustered_slope(points)))
         body.append(cells)
     plain = [r for r in rows if r["rule"] == PLAIN and isinstance(r.get("score"), (int, float))]
     if plain:
         body.append(["plain score (difficulty)", *[
             f"{mean(r['score'] for r in plain if level_of(r['prompt_id']) == lv):.3f}"
-            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels]])
+            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels], "-"])
     if len(body) == (1 if plain else 0):
         return ""
     return text_table(head, body) + ("\n(per level: the rule's score minus its honest truncation sampler's "
                                      "on the same (problem, seed), mean [95% interval clustered by "
-                                     "problem], whatever its direction)")
+                                     "problem], whatever its direction; trend: the least-squares slope of "
+                                     "that difference on the level, cluster-robust by problem, with its "
+                                     "95% interval and p)")
+
+
+TIERS = ("hard", "middle", "easy")
+
+
+def difficulty_tiers(rows: list[dict], reference: str = PLAIN) -> dict[tuple[str, int, float], float]:
+    """(problem, seed, temperature) -> the reference configuration's mean score on that problem over the
+    *other* seeds at that temperature (leave one seed out), for suites without graded levels (e.g.
+    HumanEval split by plain decoding's pass rate). Leaving the row's own seed out keeps the tier
+    independent of the rows compared within it: rows of one seed share random draws across
+    configurations, so a tier read from the same seed would correlate with the baseline's own outcome
+    and the gap would regress toward the mean by tier. Units whose problem the reference has on no other
+    seed get no tier."""
+    scores: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r["rule"] == reference and isinstance(r.get("score"), (int, float)) and math.isfinite(r["score"]):
+            scores[(r["prompt_id"], r["temperature"])][r["seed"]] = float(r["score"])
+    out = {}
+    for r in rows:
+        seen = scores.get((r["prompt_id"], r["temperature"]), {})
+        others = [v for s, v in seen.items() if s != r["seed"]]
+        if others:
+            out[(r["prompt_id"], r["seed"], r["temperature"])] = mean(others)
+    return out
+
+
+def tier_name(rate: float) -> str:
+    """A leave-one-seed-out pass rate -> 'hard' (never solved on the other seeds), 'easy' (always), or
+    'middle'."""
+    return "hard" if rate == 0 else "easy" if rate == 1 else "middle"
+
+
+def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
+    """For suites without graded levels, on sweeps with at least two seeds of the reference
+    configuration: each truncation rule's score minus its honest truncation sampler's per difficulty
+    tier (`difficulty_tiers`, `tier_name`), with its 95% interval clustered by problem, the trend (the
+    slope of that difference on the reference's leave-one-seed-out pass rate, clustered by problem), and
+    the reference's own score per tier on the held-out seed (how hard the tier is on fresh draws);
+    empty when there is nothing to tier."""
+    if any(level_of(r["prompt_id"]) is not None for r in rows):
+        return ""
+    rate = difficulty_tiers(rows, reference)
+    configs = _honest_configs(rows, baseline_of)
+    if not rate or not configs:
+        return ""
+    def tier(r: dict) -> str | None:
+        x = rate.get((r["prompt_id"], r["seed"], r["temperature"]))
+        return None if x is None else tier_name(x)
+    head = ["config - honest baseline", *TIERS, "trend per unit pass rate"]
+    body = []
+    for key, base in configs:
+        cells = [_config_name(key)]
+        for name in TIERS:
+            subset = [r for r in rows if tier(r) == name]
+            found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
+            cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.units}" if found else "-")
+        points = [(problem, rate[(problem, seed, key[2])], d)
+                  for problem, seed, d in _differences(rows, key, base) if (problem, seed, key[2]) in rate]
+        cells.append(_slope_text(stats.clustered_slope(points)))
+        body.append(cells)
+    ref_rows = [r for r in rows if r["rule"] == reference and isinstance(r.get("score"), (int, float))]
+    by_tier = {name: [r["score"] for r in ref_rows if tier(r) == name] for name in TIERS}
+    body.append([f"{reference} score on the held-out seed", *[
+        f"{mean(v):.3f} n={len(v)}" if v else "-" for v in by_tier.values()], "-"])
+    return text_table(head, body) + (
+        f"\n(tiers: {reference}'s pass rate on the same problem over the other seeds (leave one seed out): "
+        "hard = never solved, easy = always, middle = in between; per tier: the rule's score minus its "
+        "honest truncation sampler's on the same (problem, seed), mean [95% interval clustered by "
+        "problem], n = (problem, seed) pairs, whatever its direction; trend: the least-squares slope of "
+        "that difference on the leave-one-seed-out pass rate, cluster-robust by problem (positive: the "
+        f"rule falls further behind on harder problems); last line: {reference}'s score in each tier on the "
+        "held-out seed)")

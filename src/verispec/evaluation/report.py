@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import comparisons_table, length_table, level_table
+from verispec.evaluation.comparisons import comparisons_table, length_table, level_table, tier_table
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
@@ -784,4 +784,7 @@ def outcome_sections(rows: list[dict], settings: dict) -> str:
     table = comparisons_table(rows, declared, sequential, planned)
     out += "\n\nplanned comparisons:\n" + table if table else ""
     levels = level_table(rows, baseline_of)
-    return out + ("\n\nby difficulty level:\n" + levels if levels else "")
+    out += "\n\nby difficulty level:\n" + levels if levels else ""
+    tiers = tier_table(rows, baseline_of)
+    return out + ("\n\nby difficulty tier (plain decoding's pass rate on the other seeds):\n" + tiers
+                  if tiers else "")
