@@ -86,26 +86,35 @@ def fence_stop(rows: list[dict], target: str) -> None:
           f"a stop string there saves {1 - before / total:.1%}")
 
 
+def metrics_under(rows: list[dict], suite_name: str) -> tuple[list[dict], str]:
+    """Every row's text scored again by `suite_name` (its metrics dicts, in row order) and the suite's
+    primary metric; a prompt id the suite lacks stops the script."""
+    from verispec.evaluation.suites import load_suite
+
+    suite = load_suite(suite_name)
+    items = {item.id: item for item in suite.items}
+    missing = sorted({r["prompt_id"] for r in rows} - items.keys())
+    if missing:
+        raise SystemExit(f"{suite_name}: the suite has no item {missing[0]!r} ({len(missing)} prompt ids "
+                         "missing): score rows of the same task")
+    return [suite.score(r["text"], items[r["prompt_id"]]) for r in rows], suite.primary
+
+
 def rescore(rows: list[dict]) -> None:
     """Score every row's text again and name the rows whose score differs; rows copied from another
     sweep (--reuse-from) are left to that sweep's own rescoring."""
-    from verispec.evaluation.suites import load_suite
-
     copied = sum(1 for r in rows if "reused_from" in r)
     rows = [r for r in rows if "reused_from" not in r]
     if copied:
         print(f"\nnot rescored here: {copied} rows copied from another sweep (rescore that sweep)")
-    suites = {}
     changed = []
-    for row in rows:
-        if row["suite"] not in suites:
-            suites[row["suite"]] = load_suite(row["suite"])
-        suite = suites[row["suite"]]
-        item = next(i for i in suite.items if i.id == row["prompt_id"])
-        again = suite.score(row["text"], item).get(row["score_name"])
-        if again != row["score"]:
-            changed.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}): "
-                           f"{row['score']} in the sweep, {again} now")
+    for suite_name in dict.fromkeys(r["suite"] for r in rows):
+        mine = [r for r in rows if r["suite"] == suite_name]
+        for row, metrics in zip(mine, metrics_under(mine, suite_name)[0]):
+            again = metrics.get(row["score_name"])
+            if again != row["score"]:
+                changed.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}): "
+                               f"{row['score']} in the sweep, {again} now")
     print(f"\nrescored {len(rows)} rows: {len(changed)} differ")
     for line in changed:
         print(line)
@@ -113,17 +122,9 @@ def rescore(rows: list[dict]) -> None:
 
 def score_as(rows: list[dict], suite_name: str) -> list[dict]:
     """The rows with `score` replaced by `suite_name`'s primary score of their text (copies)."""
-    from verispec.evaluation.suites import load_suite
-
-    suite = load_suite(suite_name)
-    items = {item.id: item for item in suite.items}
-    missing = sorted({r["prompt_id"] for r in rows} - items.keys())
-    if missing:
-        raise SystemExit(f"--score-as {suite_name}: the suite has no item {missing[0]!r} "
-                         f"({len(missing)} prompt ids missing): score rows of the same task")
-    scored = [dict(r, score=suite.score(r["text"], items[r["prompt_id"]])[suite.primary],
-                   score_name=suite.primary) for r in rows]
-    print(f"\nscored as {suite_name} ({suite.primary}):")
+    metrics, primary = metrics_under(rows, suite_name)
+    scored = [dict(r, score=m[primary], score_name=primary) for r, m in zip(rows, metrics)]
+    print(f"\nscored as {suite_name} ({primary}):")
     by_config = defaultdict(list)
     for row in scored:
         by_config[row["config"]].append(row["score"])

@@ -235,7 +235,8 @@ def test_an_interpreter_under_tmp_is_bound_back_into_the_private_tmp(monkeypatch
 @pytest.mark.slow
 def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     """benchmarks/sweep_stats.py --score-as: scored as their own suite, committed rows keep their scores;
-    scored as the sanitised protocol, a reply whose self-test was cut mid-line passes again."""
+    scored as the sanitised protocol, a reply whose self-test was cut mid-line passes again; --rescore
+    names a row whose stored score differs."""
     import importlib.util
 
     try:
@@ -261,3 +262,7 @@ def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     assert "scored as humaneval-sanitized (pass_at_1)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no item"):
         sweep_stats.score_as([dict(cut, prompt_id="nope/1")], "humaneval")
+    # --rescore goes through the same scorer: the committed rows agree, a flipped score is named
+    sweep_stats.rescore(rows[:4] + [dict(rows[4], score=1.0 - rows[4]["score"])])
+    out = capsys.readouterr().out
+    assert "rescored 5 rows: 1 differ" in out and f"/ {rows[4]['prompt_id']} (seed 0)" in out
