@@ -95,23 +95,26 @@ def test_tiers_leave_the_row_seed_out():
 def test_tier_table_on_constructed_rows():
     """Gate minus honest is -1 on hard problems (plain never solves them) and 0 on easy ones (plain
     always does), by construction: the table prints both, the trend is +1 per unit pass rate, and the
-    held-out plain score is 0 and 1."""
+    held-out plain score is 0 and 1; lossless, scoring as plain does, reads 0 with no trend."""
     rows = []
     for n in range(8):
         easy = n % 2 == 0
         for seed in range(3):
             problem = f"HumanEval/{n}"
             rows += [row("plain", problem, float(easy), seed), row(HONEST, problem, 1.0, seed),
-                     row(GATE, problem, 1.0 if easy else 0.0, seed)]
+                     row(GATE, problem, 1.0 if easy else 0.0, seed),
+                     row("lossless", problem, float(easy), seed)]
     table = comparisons.tier_table(rows, baseline_of)
     gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
     assert "-1.000 [-1.000, -1.000] n=12" in gate_line and "+0.000 [+0.000, +0.000] n=12" in gate_line
     assert "+1.000 [+1.000, +1.000] p 0" in gate_line
+    calibration = next(line for line in table.splitlines() if line.startswith("lossless k=4 T=1 - plain"))
+    assert calibration.count("+0.000 [+0.000, +0.000] n=12") == 2 and "p 1.000" in calibration
     plain_line = next(line for line in table.splitlines() if line.startswith("plain score"))
     assert "0.000 n=12" in plain_line and "1.000 n=12" in plain_line
     graded = [dict(r, prompt_id=f"graded-L1-{i:02d}") for i, r in enumerate(rows)]
     assert comparisons.tier_table(graded, baseline_of) == ""  # a graded suite has levels instead
-    assert comparisons.tier_table([r for r in rows if r["rule"] != GATE], baseline_of) == ""
+    assert comparisons.tier_table([r for r in rows if r["rule"] != GATE], baseline_of) == ""  # no rule
 
 
 @pytest.fixture(scope="module")

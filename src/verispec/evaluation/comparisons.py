@@ -331,6 +331,14 @@ def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
     return out
 
 
+def _calibration_configs(rows: list[dict]) -> list[tuple[tuple, str]]:
+    """(lossless config key, plain) when both are among the rows: the same law, so no gap and no trend
+    is expected; printed beside the rules as a check of the per-level table itself."""
+    keys = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    return [(key, PLAIN) for key in keys if key[0] == "lossless"
+            and any(k[0] == PLAIN and k[2] == key[2] for k in keys)]
+
+
 def _slope_text(e: stats.SlopeEstimate) -> str:
     return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}] p {_p(e.p_value)}"
 
@@ -339,15 +347,17 @@ def level_table(rows: list[dict], baseline_of) -> str:
     """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
     each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
     its 95% interval clustered by problem, the trend (the slope of that difference per level, clustered
-    by problem: `stats.clustered_slope`), and plain decoding's score per level (the difficulty itself);
-    empty when the rows have no levels or no rule with an honest baseline."""
+    by problem: `stats.clustered_slope`), the same for lossless minus plain as a calibration row, and
+    plain decoding's score per level (the difficulty itself); empty when the rows have no levels or no
+    rule with an honest baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
     if not levels:
         return ""
-    head = ["config - honest baseline", *[f"level {lv}" for lv in levels], "trend per level"]
+    head = ["config - baseline", *[f"level {lv}" for lv in levels], "trend per level"]
     body = []
-    for key, base in _honest_configs(rows, baseline_of):
-        cells = [_config_name(key)]
+    honest = _honest_configs(rows, baseline_of)
+    for key, base in honest + (_calibration_configs(rows) if honest else []):
+        cells = [_config_name(key) + (" - plain (calibration)" if base == PLAIN else "")]
         for lv in levels:
             subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
             found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
@@ -367,7 +377,8 @@ def level_table(rows: list[dict], baseline_of) -> str:
                                      "on the same (problem, seed), mean [95% interval clustered by "
                                      "problem], whatever its direction; trend: the least-squares slope of "
                                      "that difference on the level, cluster-robust by problem, with its "
-                                     "95% interval and p)")
+                                     "95% interval and p; calibration: lossless minus plain, the same law, "
+                                     "so neither a gap nor a trend is expected)")
 
 
 TIERS = ("hard", "middle", "easy")
@@ -404,22 +415,24 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     """For suites without graded levels, on sweeps with at least two seeds of the reference
     configuration: each truncation rule's score minus its honest truncation sampler's per difficulty
     tier (`difficulty_tiers`, `tier_name`), with its 95% interval clustered by problem, the trend (the
-    slope of that difference on the reference's leave-one-seed-out pass rate, clustered by problem), and
-    the reference's own score per tier on the held-out seed (how hard the tier is on fresh draws);
-    empty when there is nothing to tier."""
+    slope of that difference on the reference's leave-one-seed-out pass rate, clustered by problem), the
+    same for lossless minus plain as a calibration row, and the reference's own score per tier on the
+    held-out seed (how hard the tier is on fresh draws); empty when there is nothing to tier."""
     if any(level_of(r["prompt_id"]) is not None for r in rows):
         return ""
     rate = difficulty_tiers(rows, reference)
     configs = _honest_configs(rows, baseline_of)
     if not rate or not configs:
         return ""
+    configs += _calibration_configs(rows)
+
     def tier(r: dict) -> str | None:
         x = rate.get((r["prompt_id"], r["seed"], r["temperature"]))
         return None if x is None else tier_name(x)
-    head = ["config - honest baseline", *TIERS, "trend per unit pass rate"]
+    head = ["config - baseline", *TIERS, "trend per unit pass rate"]
     body = []
     for key, base in configs:
-        cells = [_config_name(key)]
+        cells = [_config_name(key) + (" - plain (calibration)" if base == PLAIN else "")]
         for name in TIERS:
             subset = [r for r in rows if tier(r) == name]
             found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
@@ -438,5 +451,6 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
         "honest truncation sampler's on the same (problem, seed), mean [95% interval clustered by "
         "problem], n = (problem, seed) pairs, whatever its direction; trend: the least-squares slope of "
         "that difference on the leave-one-seed-out pass rate, cluster-robust by problem (positive: the "
-        f"rule falls further behind on harder problems); last line: {reference}'s score in each tier on the "
-        "held-out seed)")
+        f"rule falls further behind on harder problems); calibration: lossless minus plain, the same law, "
+        "so neither a gap nor a trend is expected (plain's own row is in no tier it was read from); last "
+        f"line: {reference}'s score in each tier on the held-out seed)")
