@@ -238,3 +238,24 @@ def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys)
     bad = tmp_path / "bad"
     assert main([*argv[:-1], str(bad), "--compare", "lossless:nonsense"]) == 2
     assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()
+
+
+def test_looks_taken_divides_thresholds_and_multiplies_holm_p(core_rows):
+    """A fixed design read N times (--looks-taken N): each comparison's Holm p is N times the one-look
+    Holm p (capped at 1) and its threshold the one-look threshold over N, recomputed from the rows; a
+    declared sequential design refuses it (its thresholds count its own looks)."""
+    declared = ["cos:w=0.9:lossless", "speccascade:min_p=0.1 vs honest:speccascade:min_p=0.1"]
+    found = [comparisons.compare(core_rows, *comparisons.parse_comparison(d))[0] for d in declared]
+    holm = stats.holm([c.pooled.p_value for c in found])
+    levels = stats.holm_levels([c.pooled.p_value for c in found])
+    table = comparisons.comparisons_table(core_rows, declared, looks_taken=4)
+    for c, adjusted, level in zip(found, holm, levels):
+        line = next(line for line in table.splitlines() if line.startswith(c.config_a))
+        assert comparisons._p(min(1.0, 4 * adjusted)) in line.split() and comparisons._p(level / 4) in line
+    assert "read 4 times (--looks-taken)" in table
+    one_look = comparisons.comparisons_table(core_rows, declared)
+    assert "one look (fixed design)" in one_look and "--looks-taken" not in one_look
+    with pytest.raises(ValueError, match="group-sequential design"):
+        comparisons.comparisons_table(core_rows, declared, "obf:3", 164, looks_taken=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        comparisons.comparisons_table(core_rows, declared, looks_taken=0)

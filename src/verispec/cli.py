@@ -103,10 +103,10 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 
 
 def print_report(results: str, html: str | None = None, markdown: bool = False,
-                 columns: list[str] | None = None) -> int:
+                 columns: list[str] | None = None, looks_taken: int = 1) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
 
-    table, html_path = write_report(results, html, markdown, columns)
+    table, html_path = write_report(results, html, markdown, columns, looks_taken)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -160,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     columns = None if args.columns is None else [c.strip() for c in args.columns.split(",")]
-    return print_report(args.dir, args.html, args.markdown, columns)
+    return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -352,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--columns", default=None, metavar="NAMES",
                         help="print only these columns, by header name, comma-separated "
                              "(e.g. 'config,n,speedup,TV,score'); the HTML keeps every column")
+    report.add_argument("--looks-taken", type=int, default=1, metavar="N",
+                        help="how many times this fixed-design sweep's comparisons have been read, this "
+                             "reading included: thresholds are divided by N and Holm p multiplied by N "
+                             "(Bonferroni over looks taken without a declared --sequential design)")
     report.set_defaults(func=cmd_report)
 
     demo = sub.add_parser("demo",

@@ -175,12 +175,21 @@ def _interval(e: stats.PairedEstimate) -> str:
 
 
 def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
-                      planned_clusters: int | None = None) -> str:
+                      planned_clusters: int | None = None, looks_taken: int = 1) -> str:
     """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
     both are present and it was not declared), as text: per seed and pooled estimates with 95% intervals,
     the clustered p, Holm's adjusted p over the declared family, the threshold at this look (Holm's
     step-down level, turned into the group-sequential design's nominal threshold when one is declared),
-    the decision, and the minimum detectable effect at that threshold with power 0.8."""
+    the decision, and the minimum detectable effect at that threshold with power 0.8.
+    `looks_taken` (a fixed design read N times, this reading included; not with `sequential`, whose
+    thresholds already count its planned looks): every threshold is divided by N and every Holm p
+    multiplied by N (Bonferroni over the looks, conservative)."""
+    if isinstance(looks_taken, bool) or not isinstance(looks_taken, int) or looks_taken < 1:
+        raise ValueError(f"looks taken must be a positive integer, got {looks_taken!r}")
+    if sequential and looks_taken > 1:
+        raise ValueError(f"the sweep declares a group-sequential design ({sequential}), whose thresholds "
+                         "already count its planned looks; --looks-taken is for fixed-design sweeps read "
+                         "more than once")
     family, missing = [], []
     for text in declared:
         found = compare(rows, *parse_comparison(text))
@@ -192,7 +201,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     if not family:
         return "".join(f"no rows for the declared comparison {m}\n" for m in missing).strip()
     planned = [c for c in family if c.planned]
-    adjusted = stats.holm([c.pooled.p_value for c in planned])
+    adjusted = [min(1.0, p * looks_taken) for p in stats.holm([c.pooled.p_value for c in planned])]
     levels = stats.holm_levels([c.pooled.p_value for c in planned], ALPHA)
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     seeds = sorted({s for c in family for s in c.per_seed})
@@ -206,8 +215,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     for i in order:
         c = planned[i]
         look = planned_look(c.pooled.clusters, planned_clusters, looks)
-        threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) if not math.isnan(levels[i])
-                     else math.nan)
+        threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) / looks_taken
+                     if not math.isnan(levels[i]) else math.nan)
         reject = rejecting and c.pooled.p_value < threshold
         rejecting = reject
         decisions[i] = (threshold, "reject" if reject else "keep")
@@ -227,7 +236,9 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
                      holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-",
                      f"{_fmt(c.cap_part[0])} ({c.cap_part[1]} of {c.pooled.units})"])
     design = (f"{kind} boundary, {looks} planned looks, this look from the share of planned problems paired"
-              if looks > 1 else "one look (fixed design)")
+              if looks > 1 else "one look (fixed design)" if looks_taken == 1 else
+              f"a fixed design read {looks_taken} times (--looks-taken): each threshold divided by "
+              f"{looks_taken} and each Holm p multiplied by {looks_taken}, Bonferroni over the looks")
     legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
               "pooled over (problem x seed) with 95% intervals; p: cluster-robust paired t-test on "
               "per-problem mean differences (clustered by problem, problems - 1 df); Holm p: adjusted over "

@@ -721,10 +721,12 @@ def timeout_notes(rows: list[dict]) -> list[str]:
 
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
-                 markdown: bool = False, columns: Sequence[str] | None = None) -> tuple[str, Path]:
+                 markdown: bool = False, columns: Sequence[str] | None = None,
+                 looks_taken: int = 1) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
     table, e.g. for a README; `columns`: only these, by header name) and the path of the HTML report
-    (every column).
+    (every column). `looks_taken`: how often a fixed-design sweep's comparisons have been read
+    (`comparisons.comparisons_table`).
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
@@ -761,15 +763,16 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     for i, note in enumerate(notes):
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
-    outcomes = outcome_sections(rows, settings)
+    outcomes = outcome_sections(rows, settings, looks_taken)
     html_path.write_text(render_html(summary, "verispec report", meta, outcomes), encoding="utf-8")
     table = terminal_table(summary, markdown, columns) + outcomes
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
 
 
-def outcome_sections(rows: list[dict], settings: dict) -> str:
+def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1) -> str:
     """The length outcomes and the planned comparisons (`verispec.evaluation.comparisons`) under the
-    table; `settings`: the sweep.json (its `compare` and `sequential`)."""
+    table; `settings`: the sweep.json (its `compare` and `sequential`); `looks_taken`: readings of a
+    fixed-design sweep so far."""
     out = "\n\nlength outcomes:\n" + length_table(rows, baseline_of)
     declared = list(settings.get("compare") or [])
     sequential = settings.get("sequential")
@@ -781,7 +784,7 @@ def outcome_sections(rows: list[dict], settings: dict) -> str:
                 planned = len(load_suite(settings["suite"]).items)
             except (KeyError, ValueError, OSError):
                 planned = None
-    table = comparisons_table(rows, declared, sequential, planned)
+    table = comparisons_table(rows, declared, sequential, planned, looks_taken)
     out += "\n\nplanned comparisons:\n" + table if table else ""
     levels = level_table(rows, baseline_of)
     out += "\n\nby difficulty level:\n" + levels if levels else ""
