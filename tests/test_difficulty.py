@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -137,11 +138,64 @@ def test_tiers_on_the_committed_seeds_sweep(seed_rows):
     points = [(p, rate[(p, s, 1.0)], by[(GATE, p, s)] - by[(HONEST, p, s)])
               for (rule, p, s) in by if rule == GATE and (HONEST, p, s) in by and (p, s, 1.0) in rate]
     hard = [d for _, x, d in points if x == 0]
-    by_problem: dict[str, list[float]] = {}
-    for p, x, d in points:
-        if x == 0:
-            by_problem.setdefault(p, []).append(d)
     table = comparisons.tier_table(seed_rows, baseline_of)
-    assert f"{np.mean([np.mean(v) for v in by_problem.values()]):+.3f}" in table and f"n={len(hard)}" in table
+    assert f"{np.mean(hard):+.3f}" in table and f"n={len(hard)}" in table  # weighted by pair
     slope = stats.clustered_slope(points)
     assert f"{slope.estimate:+.3f} [{slope.low:+.3f}, {slope.high:+.3f}]" in table
+
+
+def tier_cells(rows: list[dict], estimator) -> dict[str, float]:
+    """Lossless minus plain per tier with the given estimator of (problem, difference) points."""
+    rate = comparisons.difficulty_tiers(rows)
+    by = {(r["rule"], r["prompt_id"], r["seed"]): r["score"] for r in rows}
+    out = {}
+    for name in comparisons.TIERS:
+        points = [(p, by[("lossless", p, s)] - by[("plain", p, s)]) for (p, s, _), x in rate.items()
+                  if comparisons.tier_name(x) == name]
+        out[name] = estimator(points)
+    return out
+
+
+@pytest.mark.slow
+def test_tier_cells_weight_pairs_not_problems():
+    """Plain and lossless as the same law (independent Bernoulli draws with each problem's pass rate), 3
+    seeds, 60 problems, 300 sweeps: weighted by (problem, seed) pair (stats.clustered_mean, the report's
+    estimator) the calibration cells average within 0.02 of 0 in every tier (a small ratio bias remains,
+    -0.007 / +0.001 / +0.004 over 2000 sweeps, since a pair's own plain draw moves which tier the other
+    seeds' pairs fall in) and its test rejects at 5% in 5% of sweeps (binomial SE 0.013; bound 0.04); the
+    mean of per-problem means (stats.clustered_paired, the broken check) is biased by about -0.22 / +0.22
+    in the hard / easy tier: a problem lands in the hard tier once when plain solved it on the held-out
+    seed only and three times when plain never did (on SmolLM2's capitals it read -0.285 [-0.47, -0.10]
+    for the hard tier)."""
+    rng = np.random.default_rng(11)
+    pair, per_problem, rejected = defaultdict(list), defaultdict(list), defaultdict(list)
+    for _ in range(300):
+        rate = rng.uniform(0.05, 0.95, 60)
+        rows = [row(rule, f"p{g}", float(rng.random() < rate[g]), seed)
+                for g in range(60) for seed in range(3) for rule in ("plain", "lossless")]
+        weighted = tier_cells(rows, stats.clustered_mean)
+        broken = tier_cells(rows, lambda pts: stats.clustered_paired([(p, d, 0.0) for p, d in pts]).estimate)
+        for name in comparisons.TIERS:
+            pair[name].append(weighted[name].estimate)
+            rejected[name].append(weighted[name].p_value < 0.05)
+            per_problem[name].append(broken[name])
+    for name in comparisons.TIERS:
+        assert abs(np.mean(pair[name])) < 0.02, (name, np.mean(pair[name]))
+        assert abs(np.mean(rejected[name]) - 0.05) < 0.04, (name, np.mean(rejected[name]))
+    assert np.mean(per_problem["hard"]) < -0.05 and np.mean(per_problem["easy"]) > 0.05, (
+        np.mean(per_problem["hard"]), np.mean(per_problem["easy"]))
+
+
+def test_clustered_mean_against_hand_computation():
+    """Weighted by point; its CR1 standard error by hand; one point per cluster: the one-sample t-test
+    (scipy)."""
+    points = [("a", 1.0), ("a", 1.0), ("a", 1.0), ("b", 0.0), ("c", -1.0), ("c", 0.0)]
+    est = stats.clustered_mean(points)
+    assert est.estimate == pytest.approx(2 / 6) and (est.clusters, est.units) == (3, 6)
+    scores = [3 * (1 - 2 / 6), -2 / 6, (-1 - 2 / 6) + (0 - 2 / 6)]
+    assert est.se == pytest.approx(math.sqrt(3 / 2 * sum(x * x for x in scores)) / 6)
+    values = np.random.default_rng(1).normal(0.2, 1.0, 30)
+    single = stats.clustered_mean([(str(i), float(v)) for i, v in enumerate(values)])
+    assert single.p_value == pytest.approx(scipy_stats.ttest_1samp(values, 0.0).pvalue, rel=1e-6)
+    assert math.isnan(stats.clustered_mean([("a", 1.0), ("a", 0.0)]).p_value)
+    assert stats.clustered_mean([]).units == 0

@@ -444,12 +444,13 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     body = []
     for key, base in configs:
         cells = [_config_name(key) + (" - plain (calibration)" if base == PLAIN else "")]
-        for name in TIERS:
-            subset = [r for r in rows if tier(r) == name]
-            found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
-            cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.units}" if found else "-")
         points = [(problem, rate[(problem, seed, key[2])], d)
                   for problem, seed, d in _differences(rows, key, base) if (problem, seed, key[2]) in rate]
+        for name in TIERS:
+            # weighted by (problem, seed) pair, not by problem: how often a problem falls in a tier
+            # depends on plain's held-out outcome (stats.clustered_mean)
+            found = stats.clustered_mean([(problem, d) for problem, x, d in points if tier_name(x) == name])
+            cells.append(f"{_interval(found)} n={found.units}" if found.units else "-")
         cells.append(_slope_text(stats.clustered_slope(points)))
         body.append(cells)
     ref_rows = [r for r in rows if r["rule"] == reference and isinstance(r.get("score"), (int, float))]
@@ -459,9 +460,9 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     return text_table(head, body) + (
         f"\n(tiers: {reference}'s pass rate on the same problem over the other seeds (leave one seed out): "
         "hard = never solved, easy = always, middle = in between; per tier: the rule's score minus its "
-        "honest truncation sampler's on the same (problem, seed), mean [95% interval clustered by "
-        "problem], n = (problem, seed) pairs, whatever its direction; trend: the least-squares slope of "
-        "that difference on the leave-one-seed-out pass rate, cluster-robust by problem (positive: the "
-        f"rule falls further behind on harder problems); calibration: lossless minus plain, the same law, "
-        "so neither a gap nor a trend is expected (plain's own row is in no tier it was read from); last "
-        f"line: {reference}'s score in each tier on the held-out seed)")
+        "honest truncation sampler's on the same (problem, seed), the mean over (problem, seed) pairs "
+        "[95% interval, cluster-robust by problem], n = pairs, whatever its direction; trend: the "
+        "least-squares slope of that difference on the leave-one-seed-out pass rate, cluster-robust by "
+        "problem (positive: the rule falls further behind on harder problems); calibration: lossless "
+        "minus plain, the same law, so neither a gap nor a trend is expected (plain's own row is in no "
+        f"tier it was read from); last line: {reference}'s score in each tier on the held-out seed)")

@@ -290,3 +290,30 @@ def clustered_slope(points: Sequence[tuple[str, float, float]], level: float = 0
         return SlopeEstimate(slope, slope, slope, 1.0 if slope == 0 else 0.0, 0.0, g, n)
     half = t_quantile(0.5 + level / 2, g - 1) * se
     return SlopeEstimate(slope, slope - half, slope + half, t_two_sided_p(slope / se, g - 1), se, g, n)
+
+
+def clustered_mean(points: Sequence[tuple[str, float]], level: float = 0.95) -> PairedEstimate:
+    """The mean of (cluster, value) points weighted by point, not by cluster, with its cluster-robust
+    (CR1) standard error and a t interval and p on (clusters - 1) df (the intercept-only case of
+    `clustered_slope`). Use it where a cluster's number of points depends on its outcomes: a difficulty
+    tier read from the other seeds holds a problem once when plain decoding solved it on the held-out
+    seed alone and three times when it never did, so the mean of per-problem means (`clustered_paired`)
+    would weight plain's held-out successes up (tests/test_difficulty.py measures that bias); weighting
+    each point alike keeps every (problem, seed) pair's expectation. With one point per cluster it is the
+    one-sample t-test."""
+    n = len(points)
+    clusters = {c for c, _ in points}
+    if n == 0:
+        return PairedEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, 0, 0)
+    est = sum(v for _, v in points) / n
+    g = len(clusters)
+    if g < 2:
+        return PairedEstimate(est, math.nan, math.nan, math.nan, math.nan, g, n)
+    score: dict[str, float] = defaultdict(float)
+    for cluster, v in points:
+        score[cluster] += v - est
+    se = math.sqrt(g / (g - 1) * sum(s * s for s in score.values())) / n
+    if se == 0:
+        return PairedEstimate(est, est, est, 1.0 if est == 0 else 0.0, 0.0, g, n)
+    half = t_quantile(0.5 + level / 2, g - 1) * se
+    return PairedEstimate(est, est - half, est + half, t_two_sided_p(est / se, g - 1), se, g, n)
