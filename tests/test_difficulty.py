@@ -162,7 +162,8 @@ def test_tier_cells_weight_pairs_not_problems():
     seeds, 60 problems, 300 sweeps: weighted by (problem, seed) pair (stats.clustered_mean, the report's
     estimator) the calibration cells average within 0.02 of 0 in every tier (a small ratio bias remains,
     -0.007 / +0.001 / +0.004 over 2000 sweeps, since a pair's own plain draw moves which tier the other
-    seeds' pairs fall in) and its test rejects at 5% in 5% of sweeps (binomial SE 0.013; bound 0.04); the
+    seeds' pairs fall in) and its test rejects at 5% in 5% of sweeps (binomial SE 0.013; bound 0.04), as
+    does the trend's slope test (1000 sweeps: 5.3%); the
     mean of per-problem means (stats.clustered_paired, the broken check) is biased by about -0.22 / +0.22
     in the hard / easy tier: a problem lands in the hard tier once when plain solved it on the held-out
     seed only and three times when plain never did (on SmolLM2's capitals it read -0.285 [-0.47, -0.10]
@@ -174,6 +175,11 @@ def test_tier_cells_weight_pairs_not_problems():
         rows = [row(rule, f"p{g}", float(rng.random() < rate[g]), seed)
                 for g in range(60) for seed in range(3) for rule in ("plain", "lossless")]
         weighted = tier_cells(rows, stats.clustered_mean)
+        rate = comparisons.difficulty_tiers(rows)
+        by = {(r["rule"], r["prompt_id"], r["seed"]): r["score"] for r in rows}
+        slope = stats.clustered_slope([(p, x, by[("lossless", p, s)] - by[("plain", p, s)])
+                                       for (p, s, _), x in rate.items()])
+        rejected["trend"].append(slope.p_value < 0.05)
         broken = tier_cells(rows, lambda pts: stats.clustered_paired([(p, d, 0.0) for p, d in pts]).estimate)
         for name in comparisons.TIERS:
             pair[name].append(weighted[name].estimate)
@@ -182,6 +188,7 @@ def test_tier_cells_weight_pairs_not_problems():
     for name in comparisons.TIERS:
         assert abs(np.mean(pair[name])) < 0.02, (name, np.mean(pair[name]))
         assert abs(np.mean(rejected[name]) - 0.05) < 0.04, (name, np.mean(rejected[name]))
+    assert abs(np.mean(rejected["trend"]) - 0.05) < 0.04, np.mean(rejected["trend"])
     assert np.mean(per_problem["hard"]) < -0.05 and np.mean(per_problem["easy"]) > 0.05, (
         np.mean(per_problem["hard"]), np.mean(per_problem["easy"]))
 
