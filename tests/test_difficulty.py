@@ -109,7 +109,8 @@ def test_tier_table_on_constructed_rows():
     gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
     assert "-1.000 [-1.000, -1.000] n=12" in gate_line and "+0.000 [+0.000, +0.000] n=12" in gate_line
     assert "+1.000 [+1.000, +1.000] p 0" in gate_line
-    calibration = next(line for line in table.splitlines() if line.startswith("lossless k=4 T=1 - plain"))
+    calibration = next(line for line in table.splitlines()
+                       if line.startswith("lossless k=4 T=1 - plain (same law)"))
     assert calibration.count("+0.000 [+0.000, +0.000] n=12") == 2 and "p 1.000" in calibration
     plain_line = next(line for line in table.splitlines() if line.startswith("plain score"))
     assert "0.000 n=12" in plain_line and "1.000 n=12" in plain_line

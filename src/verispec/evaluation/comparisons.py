@@ -358,7 +358,7 @@ def level_table(rows: list[dict], baseline_of) -> str:
     """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
     each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
     its 95% interval clustered by problem, the trend (the slope of that difference per level, clustered
-    by problem: `stats.clustered_slope`), the same for lossless minus plain as a calibration row, and
+    by problem: `stats.clustered_slope`), the same for lossless minus plain (the same law) as a check, and
     plain decoding's score per level (the difficulty itself); empty when the rows have no levels or no
     rule with an honest baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
@@ -368,7 +368,7 @@ def level_table(rows: list[dict], baseline_of) -> str:
     body = []
     honest = _honest_configs(rows, baseline_of)
     for key, base in honest + (_calibration_configs(rows) if honest else []):
-        cells = [_config_name(key) + (" - plain (calibration)" if base == PLAIN else "")]
+        cells = [_config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
         for lv in levels:
             subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
             found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
@@ -388,7 +388,7 @@ def level_table(rows: list[dict], baseline_of) -> str:
                                      "on the same (problem, seed), mean [95% interval clustered by "
                                      "problem], whatever its direction; trend: the least-squares slope of "
                                      "that difference on the level, cluster-robust by problem, with its "
-                                     "95% interval and p; calibration: lossless minus plain, the same law, "
+                                     "95% interval and p; same law: lossless minus plain, "
                                      "so neither a gap nor a trend is expected)")
 
 
@@ -427,7 +427,7 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     configuration: each truncation rule's score minus its honest truncation sampler's per difficulty
     tier (`difficulty_tiers`, `tier_name`), with its 95% interval clustered by problem, the trend (the
     slope of that difference on the reference's leave-one-seed-out pass rate, clustered by problem), the
-    same for lossless minus plain as a calibration row, and the reference's own score per tier on the
+    same for lossless minus plain (the same law) as a check, and the reference's own score per tier on the
     held-out seed (how hard the tier is on fresh draws); empty when there is nothing to tier."""
     if any(level_of(r["prompt_id"]) is not None for r in rows):
         return ""
@@ -443,7 +443,7 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     head = ["config - baseline", *TIERS, "trend per unit pass rate"]
     body = []
     for key, base in configs:
-        cells = [_config_name(key) + (" - plain (calibration)" if base == PLAIN else "")]
+        cells = [_config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
         points = [(problem, rate[(problem, seed, key[2])], d)
                   for problem, seed, d in _differences(rows, key, base) if (problem, seed, key[2]) in rate]
         for name in TIERS:
@@ -463,6 +463,6 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
         "honest truncation sampler's on the same (problem, seed), the mean over (problem, seed) pairs "
         "[95% interval, cluster-robust by problem], n = pairs, whatever its direction; trend: the "
         "least-squares slope of that difference on the leave-one-seed-out pass rate, cluster-robust by "
-        "problem (positive: the rule falls further behind on harder problems); calibration: lossless "
+        "problem (positive: the rule falls further behind on harder problems); same law: lossless "
         "minus plain, the same law, so neither a gap nor a trend is expected (plain's own row is in no "
         f"tier it was read from); last line: {reference}'s score in each tier on the held-out seed)")
