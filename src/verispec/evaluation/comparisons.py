@@ -350,7 +350,7 @@ def _calibration_configs(rows: list[dict]) -> list[tuple[tuple, str]]:
             and any(k[0] == PLAIN and k[2] == key[2] for k in keys)]
 
 
-def _slope_text(e: stats.SlopeEstimate) -> str:
+def _slope_text(e: stats.PairedEstimate) -> str:
     return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}] p {_p(e.p_value)}"
 
 

@@ -205,13 +205,23 @@ def t_quantile(q: float, df: int) -> float:
 
 @dataclass(frozen=True)
 class PairedEstimate:
-    estimate: float  # mean difference (row - baseline)
+    estimate: float  # mean difference (row - baseline), or a slope (`clustered_slope`)
     low: float  # 95% interval
     high: float
     p_value: float  # two-sided
     se: float  # standard error of the estimate
     clusters: int  # problems
     units: int  # (problem, seed) pairs
+
+
+def _t_estimate(est: float, se: float, clusters: int, units: int, level: float) -> PairedEstimate:
+    """An estimate with its standard error -> its t interval and two-sided p on (clusters - 1) df;
+    no spread at all: p = 1 for a zero estimate, 0 otherwise."""
+    if se == 0:
+        return PairedEstimate(est, est, est, 1.0 if est == 0 else 0.0, 0.0, clusters, units)
+    half = t_quantile(0.5 + level / 2, clusters - 1) * se
+    return PairedEstimate(est, est - half, est + half, t_two_sided_p(est / se, clusters - 1), se, clusters,
+                          units)
 
 
 def clustered_paired(pairs: Sequence[tuple[str, float, float]], level: float = 0.95) -> PairedEstimate:
@@ -229,11 +239,7 @@ def clustered_paired(pairs: Sequence[tuple[str, float, float]], level: float = 0
     est = mean(diffs)
     if n < 2:
         return PairedEstimate(est, math.nan, math.nan, math.nan, math.nan, n, len(pairs))
-    se = stdev(diffs) / math.sqrt(n)
-    if se == 0:
-        return PairedEstimate(est, est, est, 1.0 if est == 0 else 0.0, 0.0, n, len(pairs))
-    half = t_quantile(0.5 + level / 2, n - 1) * se
-    return PairedEstimate(est, est - half, est + half, t_two_sided_p(est / se, n - 1), se, n, len(pairs))
+    return _t_estimate(est, stdev(diffs) / math.sqrt(n), n, len(pairs), level)
 
 
 def minimum_detectable_effect(se: float, alpha: float = 0.05, power: float = 0.8) -> float:
@@ -248,18 +254,7 @@ def minimum_detectable_effect(se: float, alpha: float = 0.05, power: float = 0.8
 # --------------------------------------------------------------------------- clustered trend (slope)
 
 
-@dataclass(frozen=True)
-class SlopeEstimate:
-    estimate: float  # change of the outcome per unit of x (ordinary least squares, with an intercept)
-    low: float  # 95% interval
-    high: float
-    p_value: float  # two-sided, against a zero slope
-    se: float  # cluster-robust standard error
-    clusters: int
-    units: int
-
-
-def clustered_slope(points: Sequence[tuple[str, float, float]], level: float = 0.95) -> SlopeEstimate:
+def clustered_slope(points: Sequence[tuple[str, float, float]], level: float = 0.95) -> PairedEstimate:
     """The least-squares slope of y on x from (cluster, x, y) triples, with its cluster-robust (CR1)
     standard error and a t interval and p on (clusters - 1) df (Cameron & Miller 2015, 'A practitioner's
     guide to cluster-robust inference', eq. 11 with the small-sample factor G/(G-1) (N-1)/(N-2)). With one
@@ -267,7 +262,7 @@ def clustered_slope(points: Sequence[tuple[str, float, float]], level: float = 0
     difficulty: y a paired difference, x the difficulty of its problem. Fewer than two clusters or no
     spread in x: the estimate (or NaN) with NaN interval and p."""
     n = len(points)
-    nan = SlopeEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, len({c for c, _, _ in points}), n)
+    nan = PairedEstimate(math.nan, math.nan, math.nan, math.nan, math.nan, len({c for c, _, _ in points}), n)
     if n < 3:
         return nan
     x = np.array([p[1] for p in points], dtype=np.float64)  # [N]
@@ -283,13 +278,9 @@ def clustered_slope(points: Sequence[tuple[str, float, float]], level: float = 0
         score[cluster] += float(s)
     g = len(score)
     if g < 2:
-        return SlopeEstimate(slope, math.nan, math.nan, math.nan, math.nan, g, n)
+        return PairedEstimate(slope, math.nan, math.nan, math.nan, math.nan, g, n)
     factor = g / (g - 1) * (n - 1) / (n - 2)
-    se = math.sqrt(factor * sum(s * s for s in score.values())) / sxx
-    if se == 0:
-        return SlopeEstimate(slope, slope, slope, 1.0 if slope == 0 else 0.0, 0.0, g, n)
-    half = t_quantile(0.5 + level / 2, g - 1) * se
-    return SlopeEstimate(slope, slope - half, slope + half, t_two_sided_p(slope / se, g - 1), se, g, n)
+    return _t_estimate(slope, math.sqrt(factor * sum(s * s for s in score.values())) / sxx, g, n, level)
 
 
 def clustered_mean(points: Sequence[tuple[str, float]], level: float = 0.95) -> PairedEstimate:
@@ -312,8 +303,4 @@ def clustered_mean(points: Sequence[tuple[str, float]], level: float = 0.95) -> 
     score: dict[str, float] = defaultdict(float)
     for cluster, v in points:
         score[cluster] += v - est
-    se = math.sqrt(g / (g - 1) * sum(s * s for s in score.values())) / n
-    if se == 0:
-        return PairedEstimate(est, est, est, 1.0 if est == 0 else 0.0, 0.0, g, n)
-    half = t_quantile(0.5 + level / 2, g - 1) * se
-    return PairedEstimate(est, est - half, est + half, t_two_sided_p(est / se, g - 1), se, g, n)
+    return _t_estimate(est, math.sqrt(g / (g - 1) * sum(s * s for s in score.values())) / n, g, n, level)
