@@ -212,6 +212,19 @@ def test_cap_hit_part_of_a_comparison(core_rows):
     assert comparisons.compare(stopped, gate, honest)[0].cap_part == (0.0, 0)
 
 
+def test_the_legend_names_each_planned_look_and_an_early_reading():
+    """obf:3 over 164 problems: looks planned at 54, 109, 164 (the last count of each look's share, as
+    planned_look); a reading at 29 is look 1, early (it takes look 1's threshold before look 1's count), at
+    55 look 2, early; at 54 and 164 on time; no planned count: the last look."""
+    early = comparisons.sequential_design("obf", 3, 29, 164)
+    assert "looks at 54, 109, 164 paired problems" in early and "look 1, 29 of 164" in early
+    assert "early: look 1 is planned at 54 problems" in early
+    assert "early: look 2 is planned at 109" in comparisons.sequential_design("obf", 3, 55, 164)
+    assert "early" not in comparisons.sequential_design("obf", 3, 54, 164)
+    assert "look 3, 164 of 164" in comparisons.sequential_design("obf", 3, 164, 164)
+    assert "taken as the last look" in comparisons.sequential_design("pocock", 2, 10, None)
+
+
 @pytest.mark.slow
 def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys):
     """End to end on the default pair: the graded suite, a truncation rule, two declared comparisons and

@@ -162,6 +162,22 @@ def planned_look(clusters: int, planned_clusters: int | None, looks: int) -> int
     return max(1, min(looks, math.ceil(looks * clusters / planned_clusters - 1e-9)))
 
 
+def sequential_design(kind: str, looks: int, paired: int, planned_clusters: int | None) -> str:
+    """The legend's words for a group-sequential design at this reading: where its looks are planned
+    (equally spaced shares of the planned problems), which look this reading is, and whether it comes
+    before that look's count (an early reading takes the look's threshold: the design allows one
+    reading per look)."""
+    if not planned_clusters:
+        return (f"{kind} boundary, {looks} planned looks; the planned number of problems is unknown, so "
+                f"this reading is taken as the last look")
+    counts = [math.floor(j * planned_clusters / looks + 1e-9) for j in range(1, looks + 1)]  # as planned_look
+    look = planned_look(paired, planned_clusters, looks)
+    early = (f"; early: look {look} is planned at {counts[look - 1]} problems, and this reading takes its "
+             f"threshold (one reading per look)" if paired < counts[look - 1] else "")
+    return (f"{kind} boundary, {looks} planned looks at {', '.join(map(str, counts))} paired problems; this "
+            f"reading is look {look}, {paired} of {planned_clusters} problems paired{early}")
+
+
 def _fmt(x: float, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.{digits}f}"
 
@@ -235,8 +251,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
                      holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-",
                      f"{_fmt(c.cap_part[0])} ({c.cap_part[1]} of {c.pooled.units})"])
-    design = (f"{kind} boundary, {looks} planned looks, this look from the share of planned problems paired"
-              if looks > 1 else "one look (fixed design)" if looks_taken == 1 else
+    design = (sequential_design(kind, looks, max(c.pooled.clusters for c in planned), planned_clusters)
+              if looks > 1 and planned else "one look (fixed design)" if looks_taken == 1 else
               f"a fixed design read {looks_taken} times (--looks-taken): each threshold divided by "
               f"{looks_taken} and each Holm p multiplied by {looks_taken}, Bonferroni over the looks")
     legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
