@@ -127,7 +127,25 @@ class Comparison:
     cap_part: tuple[float, int] = (math.nan, 0)  # (part of the mean difference from cap-hit pairs, pairs)
 
 
-def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planned: bool = True
+def _score(row: dict):
+    return row.get("score")
+
+
+def _pairs(units: dict, key_a: tuple, key_b: tuple, value=_score) -> list[tuple]:
+    """(problem, seed, value A, value B, row A, row B) for every (problem, seed) both configurations
+    have where both values are finite numbers."""
+    out = []
+    for (problem, seed), row in units[key_a].items():
+        other = units[key_b].get((problem, seed))
+        if other is None:
+            continue
+        va, vb = value(row), value(other)
+        if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (va, vb)):
+            out.append((problem, seed, float(va), float(vb), row, other))
+    return out
+
+
+def compare(rows: list[dict], a: str, b: str, value=_score, planned: bool = True
             ) -> list[Comparison]:
     """A - B on every (problem, seed) both configurations have, per seed and pooled (clustered by
     problem), for each temperature / k where both are present. `value(row)`: the outcome (the score by
@@ -137,15 +155,10 @@ def compare(rows: list[dict], a: str, b: str, value=lambda r: r["score"], planne
     for key_a, key_b in _matching(units, a, b):
         triples = defaultdict(list)  # seed -> [(problem, a, b)]
         capped = []  # differences of the pairs where either row hit the cap
-        for (problem, seed), row in units[key_a].items():
-            other = units[key_b].get((problem, seed))
-            if other is None:
-                continue
-            va, vb = value(row), value(other)
-            if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (va, vb)):
-                triples[seed].append((problem, float(va), float(vb)))
-                if _cap_hit(row) or _cap_hit(other):
-                    capped.append(float(va) - float(vb))
+        for problem, seed, va, vb, row, other in _pairs(units, key_a, key_b, value):
+            triples[seed].append((problem, va, vb))
+            if _cap_hit(row) or _cap_hit(other):
+                capped.append(va - vb)
         pooled = [t for seed in sorted(triples) for t in triples[seed]]
         cap_part = (sum(capped) / len(pooled) if pooled else math.nan, len(capped))
         out.append(Comparison(f"{a} vs {b}", _config_name(key_a), _config_name(key_b),
@@ -338,13 +351,7 @@ def _differences(rows: list[dict], key: tuple, base: str) -> list[tuple[str, int
                      if k[0] == base and k[2] == key[2] and (base == PLAIN or k[1] == key[1])), None)
     if base_key is None:
         return []
-    out = []
-    for (problem, seed), row in units[key].items():
-        other = units[base_key].get((problem, seed))
-        if other is not None and all(isinstance(r.get("score"), (int, float)) and math.isfinite(r["score"])
-                                     for r in (row, other)):
-            out.append((problem, seed, float(row["score"]) - float(other["score"])))
-    return out
+    return [(problem, seed, va - vb) for problem, seed, va, vb, _, _ in _pairs(units, key, base_key)]
 
 
 def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
