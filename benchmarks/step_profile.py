@@ -1,8 +1,11 @@
 """Where a decode's time goes, on any device: wall seconds inside the engine's named parts (those of
 benchmarks/profile_shares.py, which reads py-spy samples instead), for plain decoding and lossless SD of
 a pair at chosen batch sizes. Each part is timed by a wrapper around its function (the outermost call
-only), so parts nest: read each against its parent. On a GPU every model pass ends in the copy of its
-logits to the CPU, which waits for the kernels, so 'model passes' holds the GPU's own time too.
+only), so parts nest and overlap: the draft's own model passes count under 'draft proposals' and under
+'model passes' both; read each row against its parent. On a GPU every model pass ends in the copy of
+its logits to the CPU, which waits for the kernels, so 'model passes' holds the GPU's own time too, and a
+last row gives the CUDA kernels' own time (a second run under torch.profiler) over the unprofiled run's
+wall time.
 
     python benchmarks/step_profile.py                                  # default pair, CPU
     python benchmarks/step_profile.py --device cuda --batches 1 64     # both models on the GPU
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from typing import Callable
 
 import torch
 
@@ -22,43 +26,34 @@ from verispec import decode
 from verispec.decode import DecodeConfig, autoregressive_decode_batch, speculative_decode_batch
 from verispec.evaluation.suites import load_suite
 from verispec.models import load_drafter, load_model
-from verispec.models.drafters import ModelDrafter
-from verispec.models.lean import LeanBatchSession
+from verispec.models.base import batch_session
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
 
-# (label, owner, attribute): the functions timed, outermost calls only
-PARTS = [
-    ("decode loop (BatchDecoder.step)", decode.BatchDecoder, "step"),
-    ("  draft proposals (ModelDrafter.propose_batch)", ModelDrafter, "propose_batch"),
-    ("  model passes, target and draft (LeanBatchSession.logits_for)", LeanBatchSession, "logits_for"),
-    ("  target probabilities (sampling.process in the loop)", decode, "process"),
-    ("  rule maths (Rule.verify_with_uniforms)", Rule, "verify_with_uniforms"),
-    ("  exact diagnostics (_Recorder.flush)", decode._Recorder, "flush"),
-]
-SECONDS = {label: 0.0 for label, _, _ in PARTS}
+GPU_BUSY = "CUDA kernels' own time (torch.profiler, a second run) / unprofiled wall time"
+SECONDS: dict[str, float] = {}
 
 
-GPU_BUSY = "GPU kernels' own time (torch.profiler, another run), share of its wall time"
+def parts(drafter: object, session: object) -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of the functions timed: the loop, the drafter's and the target's batched
+    session's own classes (whichever backend and drafter), the loop's probabilities, rules, diagnostics."""
+    d, b = type(drafter).__name__, type(session).__name__
+    return [
+        ("decode loop (BatchDecoder.step)", decode.BatchDecoder, "step"),
+        (f"  draft proposals ({d}.propose_batch)", type(drafter), "propose_batch"),
+        (f"  model passes, target and draft ({b}.logits_for)", type(session), "logits_for"),
+        ("  target probabilities (sampling.process in the loop)", decode, "process"),
+        ("  rule maths (Rule.verify_with_uniforms)", Rule, "verify_with_uniforms"),
+        ("  exact diagnostics (_Recorder.flush)", decode._Recorder, "flush"),
+    ]
 
 
-def gpu_busy(fn) -> float:
-    """The sum of the CUDA kernels' own times over the wall time of `fn()`, run under torch.profiler."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / wall
-
-
-def timed(label: str, fn):
+def timed(label: str, fn: Callable) -> Callable:
+    """`fn`, adding the wall time of its outermost calls to SECONDS[label]."""
     depth = [0]
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: object, **kwargs: object) -> object:
         depth[0] += 1
         start = time.perf_counter()
         try:
@@ -66,8 +61,18 @@ def timed(label: str, fn):
         finally:
             depth[0] -= 1
             if depth[0] == 0:
-                SECONDS[label] += time.perf_counter() - start
+                SECONDS[label] = SECONDS.get(label, 0.0) + time.perf_counter() - start
     return wrapper
+
+
+def kernel_seconds(fn: Callable[[], None]) -> float:
+    """The sum of the CUDA kernels' own times while `fn()` runs under torch.profiler."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6
 
 
 def main() -> None:
@@ -99,24 +104,27 @@ def main() -> None:
 
     run("plain", 2)  # warm up both models and the kernels
     run("sd", 2)
-    for label, owner, name in PARTS:
+    timed_parts = parts(drafter, batch_session(target))
+    for label, owner, name in timed_parts:
         setattr(owner, name, timed(label, getattr(owner, name)))
     for b in args.batches:
-        head, cells, walls = ["part"], {label: [] for label, _, _ in PARTS}, []
+        head, cells, walls = ["part"], {label: [] for label, _, _ in timed_parts}, []
         for method in ("plain", "sd"):
-            SECONDS.update(dict.fromkeys(SECONDS, 0.0))
+            SECONDS.clear()
             start = time.perf_counter()
             run(method, b)
             walls.append(time.perf_counter() - start)
-            total = SECONDS[PARTS[0][0]]
+            total = SECONDS.get(timed_parts[0][0], 0.0)
             head.append(f"{method} share")
-            for label, _, _ in PARTS:
-                cells[label].append(f"{SECONDS[label] / total:.3f}" if total else "-")
+            for label, _, _ in timed_parts:
+                cells[label].append(f"{SECONDS.get(label, 0.0) / total:.3f}" if total else "-")
             if args.device.startswith("cuda"):
-                cells.setdefault(GPU_BUSY, []).append(f"{gpu_busy(lambda: run(method, b)):.3f}")
+                busy = kernel_seconds(lambda: run(method, b)) / walls[-1]
+                cells.setdefault(GPU_BUSY, []).append(f"{busy:.3f}")
         print(f"\nB = {b}: plain {walls[0]:.2f} s ({b * args.tokens / walls[0]:.1f} tokens/s), sd "
               f"{walls[1]:.2f} s ({b * args.tokens / walls[1]:.1f} tokens/s); shares of the loop's time:")
         print_table(head, [[label, *row] for label, row in cells.items()])
+
 
 if __name__ == "__main__":
     main()

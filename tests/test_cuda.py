@@ -126,13 +126,16 @@ def test_rows_of_a_batch_on_the_gpu_equal_each_row_alone(models, rule):
 
 
 def test_first_token_of_lossless_speculation_follows_the_target_on_the_gpu(models):
-    """4,000 rows of one prompt, one token each: the counts fit the target's law and reject the draft's."""
+    """4,000 rows of one prompt, two tokens each, so that the first block drafts one token (k = 1: the
+    last token of a row is never drafted) and the first token is an accepted draft or a recovered one:
+    its counts fit the target's law and reject the draft's."""
     target = models["cuda"]
     ids = target.encode(PROMPTS[2])
     n = 4000
-    outs = verispec.generate([ids] * n, target=target, draft="default-draft", max_new_tokens=1,
-                             temperature=1.0, seed=list(range(n)), device="cuda", batch_size=500,
-                             diagnostics=False)
+    outs = verispec.generate([ids] * n, target=target, draft="default-draft", max_new_tokens=2,
+                             temperature=1.0, seed=list(range(n)), device="cuda", batch_size=500)
+    roles = {o.generation.steps["role"][0] for o in outs}
+    assert roles == {"accepted", "recovered"}, roles  # every first token went through the rule
     counts = np.bincount([o.token_ids[0] for o in outs], minlength=target.vocab_size)
     draft = load_model("default-draft", "cuda")
     laws = {"target": torch.softmax(last_logits(target, ids).double(), -1).numpy(),

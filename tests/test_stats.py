@@ -223,6 +223,7 @@ def test_the_legend_names_each_planned_look_and_an_early_reading():
     assert "early" not in comparisons.sequential_design("obf", 3, 54, 164)
     assert "look 3, 164 of 164" in comparisons.sequential_design("obf", 3, 164, 164)
     assert "taken as the last look" in comparisons.sequential_design("pocock", 2, 10, None)
+    assert "no declared comparison has paired rows" in comparisons.sequential_design("obf", 3, None, 164)
 
 
 @pytest.mark.slow

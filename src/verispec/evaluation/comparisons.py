@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from typing import Callable
 from dataclasses import dataclass
 from statistics import mean
 
@@ -127,11 +128,11 @@ class Comparison:
     cap_part: tuple[float, int] = (math.nan, 0)  # (part of the mean difference from cap-hit pairs, pairs)
 
 
-def _score(row: dict):
+def _score(row: dict) -> object:
     return row.get("score")
 
 
-def _pairs(units: dict, key_a: tuple, key_b: tuple, value=_score) -> list[tuple]:
+def _pairs(units: dict, key_a: tuple, key_b: tuple, value: Callable[[dict], object] = _score) -> list[tuple]:
     """(problem, seed, value A, value B, row A, row B) for every (problem, seed) both configurations
     have where both values are finite numbers."""
     out = []
@@ -145,11 +146,11 @@ def _pairs(units: dict, key_a: tuple, key_b: tuple, value=_score) -> list[tuple]
     return out
 
 
-def compare(rows: list[dict], a: str, b: str, value=_score, planned: bool = True
+def compare(rows: list[dict], a: str, b: str, value: Callable[[dict], object] = _score, planned: bool = True
             ) -> list[Comparison]:
     """A - B on every (problem, seed) both configurations have, per seed and pooled (clustered by
     problem), for each temperature / k where both are present. `value(row)`: the outcome (the score by
-    default); rows whose value is not a finite number are left out."""
+    default); rows whose value is not a finite number, or missing, are left out."""
     units = _units(rows)
     out = []
     for key_a, key_b in _matching(units, a, b):
@@ -175,11 +176,13 @@ def planned_look(clusters: int, planned_clusters: int | None, looks: int) -> int
     return max(1, min(looks, math.ceil(looks * clusters / planned_clusters - 1e-9)))
 
 
-def sequential_design(kind: str, looks: int, paired: int, planned_clusters: int | None) -> str:
+def sequential_design(kind: str, looks: int, paired: int | None, planned_clusters: int | None) -> str:
     """The legend's words for a group-sequential design at this reading: where its looks are planned
     (equally spaced shares of the planned problems), which look this reading is, and whether it comes
     before that look's count (an early reading takes the look's threshold: the design allows one
-    reading per look)."""
+    reading per look). `paired` None: no declared comparison has rows yet."""
+    if paired is None:
+        return f"{kind} boundary, {looks} planned looks; no declared comparison has paired rows yet"
     if not planned_clusters:
         return (f"{kind} boundary, {looks} planned looks; the planned number of problems is unknown, so "
                 f"this reading is taken as the last look")
@@ -264,8 +267,11 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
                      holm_p, _p(threshold), decision, f"{mde:.3f}" if not math.isnan(mde) else "-",
                      f"{_fmt(c.cap_part[0])} ({c.cap_part[1]} of {c.pooled.units})"])
-    design = (sequential_design(kind, looks, max(c.pooled.clusters for c in planned), planned_clusters)
-              if looks > 1 and planned else "one look (fixed design)" if looks_taken == 1 else
+    paired = sorted({c.pooled.clusters for c in planned})
+    design = (sequential_design(kind, looks, paired[-1] if paired else None, planned_clusters)
+              + ("" if len(paired) < 2 else f" (the fullest comparison; each row's threshold is at its own "
+                 f"look, from its own paired problems: {', '.join(map(str, paired))})")
+              if looks > 1 else "one look (fixed design)" if looks_taken == 1 else
               f"a fixed design read {looks_taken} times (--looks-taken): each threshold divided by "
               f"{looks_taken} and each Holm p multiplied by {looks_taken}, Bonferroni over the looks")
     legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
