@@ -212,6 +212,28 @@ def test_cap_hit_part_of_a_comparison(core_rows):
     assert comparisons.compare(stopped, gate, honest)[0].cap_part == (0.0, 0)
 
 
+def test_progress_counts_pairs_and_looks_without_outcomes(core_rows, tmp_path, capsys):
+    """`verispec report DIR --progress`: rows per configuration and the pairs of each declared comparison
+    (and the calibration pair), the look a report would take, and no score, difference or p anywhere."""
+    from verispec.cli import main
+
+    half = [r for r in core_rows if r["prompt_id"] in {f"HumanEval/{i}" for i in range(30)}
+            and not (r["rule"] == "lossless" and r["prompt_id"] == "HumanEval/0")]
+    text = comparisons.progress_table(half, ["cos:w=0.9:lossless"], "obf:3", 164)
+    assert "lossless k=4 T=1: 29 rows, 29 problems" in text and "plain T=1: 30 rows" in text
+    assert "cos:w=0.9 k=4 T=1 - lossless k=4 T=1: 29 problems, 29 (problem, seed) pairs" in text
+    assert "lossless k=4 T=1 - plain T=1: 29 problems" in text and "early: look 1 is planned at 54" in text
+    assert "score" not in text and "p " not in text and "[" not in text
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in half))
+    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "compare": ["cos:w=0.9:lossless"],
+                                                "sequential": "obf:3"}))
+    assert main(["report", str(out), "--progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "29 problems, 29 (problem, seed) pairs" in printed and not (out / "report.html").exists()
+
+
 def test_the_legend_names_each_planned_look_and_an_early_reading():
     """obf:3 over 164 problems: looks planned at 54, 109, 164 (the last count of each look's share, as
     planned_look); a reading at 29 is look 1, early (it takes look 1's threshold before look 1's count), at

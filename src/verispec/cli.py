@@ -12,7 +12,7 @@ import threading
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
 from verispec.evaluation.ray_executor import RayExecutorError
-from verispec.evaluation.report import write_report
+from verispec.evaluation.report import sweep_progress, write_report
 from verispec.evaluation.store import SweepLockedError
 from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import SweepSpec
@@ -159,6 +159,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    if args.progress:
+        print(sweep_progress(args.dir))
+        return 0
     columns = None if args.columns is None else [c.strip() for c in args.columns.split(",")]
     return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken)
 
@@ -352,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--columns", default=None, metavar="NAMES",
                         help="print only these columns, by header name, comma-separated "
                              "(e.g. 'config,n,speedup,TV,score'); the HTML keeps every column")
+    report.add_argument("--progress", action="store_true",
+                        help="only how far the sweep is: rows per configuration and the problems each "
+                             "declared comparison has paired, against its sequential looks; no outcome "
+                             "(so checking a sweep in progress spends no look)")
     report.add_argument("--looks-taken", type=int, default=1, metavar="N",
                         help="how many times this fixed-design sweep's comparisons have been read, this "
                              "reading included: thresholds are divided by N and Holm p multiplied by N "

@@ -194,6 +194,33 @@ def sequential_design(kind: str, looks: int, paired: int | None, planned_cluster
             f"reading is look {look}, {paired} of {planned_clusters} problems paired{early}")
 
 
+def progress_table(rows: list[dict], declared: list[str], sequential: str | None = None,
+                   planned_clusters: int | None = None) -> str:
+    """How far a sweep is, without any outcome (no score, no difference, no p): rows per configuration,
+    and per declared comparison (and the calibration pair) the problems and (problem, seed) pairs both
+    sides have, with the look a report would take now under a declared sequential design. So a sweep in
+    progress can be checked against its looks without spending one (`verispec report DIR --progress`)."""
+    units = _units(rows)
+    lines = ["rows per configuration:"]
+    for key, have in units.items():
+        lines.append(f"  {_config_name(key)}: {len(have)} rows, {len({p for p, _ in have})} problems")
+    pairs = [(d, *parse_comparison(d)) for d in declared]
+    if not any(set(parse_comparison(d)) == {"lossless", PLAIN} for d in declared):
+        pairs.append(("lossless vs plain (calibration)", "lossless", PLAIN))
+    kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
+    lines.append("paired so far (both sides decoded):")
+    for name, a, b in pairs:
+        for key_a, key_b in _matching(units, a, b):
+            both = units[key_a].keys() & units[key_b].keys()
+            problems = len({p for p, _ in both})
+            where = ""
+            if looks > 1:
+                where = "; a report now reads: " + sequential_design(kind, looks, problems, planned_clusters)
+            lines.append(f"  {_config_name(key_a)} - {_config_name(key_b)}: {problems} problems, "
+                         f"{len(both)} (problem, seed) pairs{where}")
+    return "\n".join(lines)
+
+
 def _fmt(x: float, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.{digits}f}"
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import comparisons_table, length_table, level_table, tier_table
+from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table, progress_table,
+                                             tier_table)
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
@@ -718,6 +719,22 @@ def timeout_notes(rows: list[dict]) -> list[str]:
     named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out])
     return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}; a correct "
             "program can time out on a loaded machine, so check them before reading their scores"]
+
+
+def sweep_progress(results_dir: str | Path) -> str:
+    """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
+    its declared comparisons and looks, with no outcome in it."""
+    path = results_file(results_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
+    scan = scan_rows(path)
+    check_schema(path, scan.rows, scan.lines)
+    rows, _ = usable_rows(path, scan.rows, scan.lines)
+    spec_file = path.parent / "sweep.json"
+    settings = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
+    planned = settings.get("limit") or (len(load_suite(settings["suite"]).items) if "suite" in settings
+                                        else None)
+    return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"), planned)
 
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
