@@ -204,12 +204,12 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
     lines = ["rows per configuration:"]
     for key, have in units.items():
         lines.append(f"  {_config_name(key)}: {len(have)} rows, {len({p for p, _ in have})} problems")
-    pairs = [(d, *parse_comparison(d)) for d in declared]
-    if not any(set(parse_comparison(d)) == {"lossless", PLAIN} for d in declared):
-        pairs.append(("lossless vs plain (calibration)", "lossless", PLAIN))
+    pairs = [parse_comparison(d) for d in declared]
+    if ("lossless", PLAIN) not in pairs:  # as comparisons_table: the calibration row unless declared
+        pairs.append(("lossless", PLAIN))
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     lines.append("paired so far (both sides decoded):")
-    for name, a, b in pairs:
+    for a, b in pairs:
         for key_a, key_b in _matching(units, a, b):
             both = units[key_a].keys() & units[key_b].keys()
             problems = len({p for p, _ in both})

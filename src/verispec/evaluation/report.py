@@ -721,20 +721,51 @@ def timeout_notes(rows: list[dict]) -> list[str]:
             "program can time out on a loaded machine, so check them before reading their scores"]
 
 
-def sweep_progress(results_dir: str | Path) -> str:
-    """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
-    its declared comparisons and looks, with no outcome in it."""
+def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
+    """(results file, its usable rows, notes on what was skipped); a missing file or rows of another
+    schema version are errors."""
     path = results_file(results_dir)
     if not path.exists():
         raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
     scan = scan_rows(path)
     check_schema(path, scan.rows, scan.lines)
-    rows, _ = usable_rows(path, scan.rows, scan.lines)
+    rows, notes = usable_rows(path, scan.rows, scan.lines)
+    if scan.skipped:
+        notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} "
+                        "(invalid JSON or not UTF-8): "
+                        f"line(s) {_lines_text(scan.skipped_lines)}")
+    return path, rows, notes
+
+
+def _read_settings(path: Path, notes: list[str]) -> dict:
+    """The sweep.json beside a results file ({} when absent; an unreadable one is noted in `notes`)."""
     spec_file = path.parent / "sweep.json"
-    settings = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
-    planned = settings.get("limit") or (len(load_suite(settings["suite"]).items) if "suite" in settings
-                                        else None)
-    return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"), planned)
+    try:
+        settings = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
+    except (OSError, ValueError) as err:
+        notes.append(f"could not read {spec_file}: {err}")
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def planned_problems(settings: dict) -> int | None:
+    """How many problems a sweep plans (its --limit, else its suite's size): what a sequential design's
+    looks are shares of; None when neither is known."""
+    if settings.get("limit"):
+        return settings["limit"]
+    try:
+        return len(load_suite(settings["suite"]).items)
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+def sweep_progress(results_dir: str | Path) -> str:
+    """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
+    its declared comparisons and looks, with no outcome in it."""
+    path, rows, notes = _read_sweep(results_dir)
+    settings = _read_settings(path, notes)
+    return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
+                          planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
 
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
@@ -747,16 +778,7 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
-    path = results_file(results_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
-    scan = scan_rows(path)
-    check_schema(path, scan.rows, scan.lines)
-    rows, notes = usable_rows(path, scan.rows, scan.lines)
-    if scan.skipped:
-        notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} "
-                        "(invalid JSON or not UTF-8): "
-                        f"line(s) {_lines_text(scan.skipped_lines)}")
+    path, rows, notes = _read_sweep(results_dir)
     for note in notes:
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
@@ -766,16 +788,10 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                      "their speedup is that sweep's report's, not this one's")
     if not rows:
         raise ValueError(f"no usable results in {path}" + (": " + "; ".join(notes) if notes else ""))
-    spec_file = path.parent / "sweep.json"
-    try:
-        meta = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
-    except (OSError, ValueError) as err:
-        notes.append(f"could not read {spec_file}: {err}")
-        meta = {}
+    settings = _read_settings(path, notes)
     keys = ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit", "dtype", "device", "backend",
             "compare", "sequential")
-    settings = meta if isinstance(meta, dict) else {}
-    meta = {k: v for k, v in meta.items() if k in keys} if isinstance(meta, dict) else {}
+    meta = {k: v for k, v in settings.items() if k in keys}
     meta["rows"] = len(rows)
     for i, note in enumerate(notes):
         meta[f"note {i + 1}"] = note
@@ -793,14 +809,7 @@ def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1) -> 
     out = "\n\nlength outcomes:\n" + length_table(rows, baseline_of)
     declared = list(settings.get("compare") or [])
     sequential = settings.get("sequential")
-    planned = None
-    if sequential:
-        planned = settings.get("limit")
-        if not planned:
-            try:
-                planned = len(load_suite(settings["suite"]).items)
-            except (KeyError, ValueError, OSError):
-                planned = None
+    planned = planned_problems(settings) if sequential else None
     table = comparisons_table(rows, declared, sequential, planned, looks_taken)
     out += "\n\nplanned comparisons:\n" + table if table else ""
     levels = level_table(rows, baseline_of)
