@@ -232,6 +232,19 @@ def test_progress_counts_pairs_and_looks_without_outcomes(core_rows, tmp_path, c
     assert main(["report", str(out), "--progress"]) == 0
     printed = capsys.readouterr().out
     assert "29 problems, 29 (problem, seed) pairs" in printed and not (out / "report.html").exists()
+    # a look read late, at its planned count: only the suite's first N problems (prompt_index < N)
+    assert main(["report", str(out), "--progress", "--problems", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert "lossless k=4 T=1 - plain T=1: 19 problems" in printed and "plain T=1: 20 rows" in printed
+    first = [r for r in half if r["prompt_index"] < 20]
+    assert (f"read on the suite's first 20 problems only (--problems 20): {len(first)} of {len(half)} rows, "
+            "30 problems decoded") in printed
+    assert main(["report", str(out), "--problems", "20", "--html", str(tmp_path / "r.html")]) == 0
+    printed = capsys.readouterr().out
+    expected = comparisons.comparisons_table(first, ["cos:w=0.9:lossless"], "obf:3", 164)
+    assert expected.splitlines()[2] in printed and "--problems 20" in (tmp_path / "r.html").read_text()
+    assert main(["report", str(out), "--problems", "0"]) != 0
+    assert "--problems must be a positive number of problems; got 0" in capsys.readouterr().err
 
 
 def test_the_legend_names_each_planned_look_and_an_early_reading():

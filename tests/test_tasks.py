@@ -68,6 +68,38 @@ def test_graded_scoring():
     assert suite.score("I cannot tell.", item)["exact_match"] == 0.0
 
 
+def test_graded_steps_generation_levels_differ_only_in_the_number_of_steps():
+    first = graded.generate_steps()
+    assert first == graded.generate_steps() and graded.generate_steps(seed=1) != first
+    assert Counter(p["level"] for p in first) == {lv: 40 for lv in range(1, 6)}
+    assert len({p["id"] for p in first}) == len({p["question"] for p in first}) == 200
+    suite = load_suite("graded-steps")
+    assert suite.max_new_tokens == 512 and suite.primary == "exact_match"
+    assert [graded.level_of(i.id) for i in suite.items[:6]] == [1, 2, 3, 4, 5, 1]
+    assert all(graded.level_of(i.id) == i.meta["level"] for i in suite.items)
+    assert sorted((i.id, i.answer) for i in suite.items) == sorted((p["id"], p["answer"]) for p in first)
+    assert not {p["id"] for p in first} & {p["id"] for p in graded.generate()}  # two tasks, two id spaces
+    for p in first:
+        steps = graded.STEPS_PER_LEVEL[p["level"] - 1]
+        node = ast.parse(p["expression"], mode="eval").body
+        chain = []  # the operations from the last back to the first
+        while isinstance(node, ast.BinOp):
+            chain.append((type(node.op), node.right.value))
+            node = node.left
+        assert len(chain) == steps and p["question"].count("\n") == steps + 1, p
+        value = node.value  # the starting number; each step's result checked independently
+        assert f"Start with {value} and" in p["question"]
+        words = {ast.Add: "Add", ast.Sub: "Subtract", ast.Mult: "Multiply by", ast.FloorDiv: "Divide by"}
+        for n, (op, operand) in enumerate(reversed(chain), start=1):
+            assert f"\n{n}. {words[op]} {operand}.\n" in p["question"], (p, n)
+            value = OPS[op](Fraction(value), operand)
+            assert value.denominator == 1 and 1 <= value < graded.CHAIN_LIMIT, (p, n)
+        assert value == exact_value(p["expression"]) == p["answer"], p
+    item = suite.items[0]
+    assert suite.score(f"so the result is\n#### {item.answer}", item) == {"exact_match": 1.0}
+    assert suite.score(f"#### {item.answer + 1}", item) == {"exact_match": 0.0}
+
+
 def test_mtbench_first_turns():
     suite = load_suite("mtbench")
     assert len(suite.items) == 80 and len({i.id for i in suite.items}) == 80

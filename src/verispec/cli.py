@@ -103,10 +103,10 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 
 
 def print_report(results: str, html: str | None = None, markdown: bool = False,
-                 columns: list[str] | None = None, looks_taken: int = 1) -> int:
+                 columns: list[str] | None = None, looks_taken: int = 1, problems: int | None = None) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
 
-    table, html_path = write_report(results, html, markdown, columns, looks_taken)
+    table, html_path = write_report(results, html, markdown, columns, looks_taken, problems)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -160,10 +160,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     if args.progress:
-        print(sweep_progress(args.dir))
+        print(sweep_progress(args.dir, args.problems))
         return 0
     columns = None if args.columns is None else [c.strip() for c in args.columns.split(",")]
-    return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken)
+    return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken, args.problems)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -290,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="sweep rules x temperatures x k x seeds over a suite, then report")
     add_model_args(bench)
     bench.add_argument("--suite", default="shakespeare",
-                       help="shakespeare, capitals, arithmetic, humaneval, humaneval-sanitized, gsm8k:PATH, "
-                            "math:PATH, mbpp:PATH, mbpp-sanitized:PATH")
+                       help="shakespeare, capitals, arithmetic, humaneval, humaneval-sanitized, mtbench, "
+                            "graded, graded-steps, gsm8k:PATH, math:PATH, mbpp:PATH, mbpp-sanitized:PATH")
     bench.add_argument("--rules", nargs="+", default=["lossless"],
                        help="rule specs; plain, lossless and honest truncation baselines are always added")
     bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
@@ -363,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many times this fixed-design sweep's comparisons have been read, this "
                              "reading included: thresholds are divided by N and Holm p multiplied by N "
                              "(Bonferroni over looks taken without a declared --sequential design)")
+    report.add_argument("--problems", type=int, default=None, metavar="N",
+                        help="read only the suite's first N problems (the rows beyond are left out): a "
+                             "sequential look taken at its planned number of problems after the sweep "
+                             "went past it")
     report.set_defaults(func=cmd_report)
 
     demo = sub.add_parser("demo",

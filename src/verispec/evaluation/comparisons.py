@@ -411,12 +411,12 @@ def _slope_text(e: stats.PairedEstimate) -> str:
 
 
 def level_table(rows: list[dict], baseline_of) -> str:
-    """For a graded suite (prompt ids 'graded-L<level>-<nn>', `verispec.evaluation.graded`): per level,
-    each truncation rule's score minus its honest truncation sampler's (`baseline_of` names it), with
-    its 95% interval clustered by problem, the trend (the slope of that difference per level, clustered
-    by problem: `stats.clustered_slope`), the same for lossless minus plain (the same law) as a check, and
-    plain decoding's score per level (the difficulty itself); empty when the rows have no levels or no
-    rule with an honest baseline."""
+    """For a graded suite (prompt ids 'graded-L<level>-<nn>' or 'graded-steps-L<level>-<nn>',
+    `verispec.evaluation.graded`): per level, each truncation rule's score minus its honest truncation
+    sampler's (`baseline_of` names it), with its 95% interval clustered by problem, the trend (the slope
+    of that difference per level, clustered by problem: `stats.clustered_slope`), the same for lossless
+    minus plain (the same law) as a check, and plain decoding's score per level (the difficulty itself);
+    empty when the rows have no levels or no rule with an honest baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
     if not levels:
         return ""

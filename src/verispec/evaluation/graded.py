@@ -8,11 +8,18 @@ the problem is built, and every problem carries the arithmetic expression of its
 (`scorers.numeric_match`: the number after '####', else the last number). It tests the claim that a
 truncation verifier falls further behind truncation sampling as problems get harder (issue 23; the
 report prints the gap per level: `comparisons.level_table`).
+
+A second graded task (suite `graded-steps`) grades by one thing only, the number of dependent steps:
+level L is a chain of 2L operations (add, subtract, multiply by a digit, exact division by a digit) on
+a starting number, every intermediate a positive integer below 1000. Each step is a chance to slip, so
+a model's accuracy falls with the chain's length whatever the operations it finds easy, which is what
+the first task's levels fail to do on a code model (README, 'The graded task on the Qwen pair').
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 SEED = 20260
 LEVELS = 5
@@ -84,13 +91,41 @@ def _level5(rng: random.Random) -> tuple[str, str, int]:
 
 GENERATORS = (_level1, _level2, _level3, _level4, _level5)
 
+STEPS_SEED = 20261
+STEPS_PER_LEVEL = (2, 4, 6, 8, 10)
+CHAIN_LIMIT = 1000  # every intermediate value lies in 1 .. CHAIN_LIMIT - 1
 
-def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
-    """The problems, level by level: dicts with id ('graded-L<level>-<nn>'), level, question, prompt,
-    answer (an int) and expression (the solution's arithmetic, in Python)."""
+
+def _chain(rng: random.Random, steps: int) -> tuple[str, str, int]:
+    """A chain of `steps` operations on a starting number, each allowed only where its result is a
+    positive integer below CHAIN_LIMIT (division only when exact), drawn uniformly among those allowed."""
+    start = value = rng.randint(2, 30)
+    expression, lines = str(start), []
+    for n in range(1, steps + 1):
+        add, sub, mul, div = rng.randint(3, 49), rng.randint(3, 49), rng.randint(2, 9), rng.randint(2, 9)
+        allowed = [op for op, ok in (("add", value + add < CHAIN_LIMIT), ("sub", value - sub >= 1),
+                                     ("mul", value * mul < CHAIN_LIMIT),
+                                     ("div", value % div == 0 and value // div >= 2)) if ok]
+        op = rng.choice(allowed)  # "sub" or "add" is always allowed: value < CHAIN_LIMIT
+        operand, symbol, word = {"add": (add, "+", "Add"), "sub": (sub, "-", "Subtract"),
+                                 "mul": (mul, "*", "Multiply by"), "div": (div, "//", "Divide by")}[op]
+        value = {"+": value + operand, "-": value - operand, "*": value * operand,
+                 "//": value // operand}[symbol]
+        expression = f"({expression}) {symbol} {operand}" if n > 1 else f"{expression} {symbol} {operand}"
+        lines.append(f"{n}. {word} {operand}.")
+    text = f"Start with {start} and apply these steps in order:\n" + "\n".join(lines) + \
+        "\nWhat number do you end with?"
+    return text, expression, value
+
+
+def _steps_generators() -> tuple:
+    return tuple((lambda rng, s=s: _chain(rng, s)) for s in STEPS_PER_LEVEL)
+
+
+def _generate(makers: tuple, prefix: str, seed: int, per_level: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
-    for level, make in enumerate(GENERATORS, start=1):
+    for level, make in enumerate(makers, start=1):
         seen: set[str] = set()
         while len([p for p in out if p["level"] == level]) < per_level:
             question, expression, answer = make(rng)
@@ -98,9 +133,21 @@ def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
                 continue
             seen.add(question)
             n = len(seen)
-            out.append({"id": f"graded-L{level}-{n:02d}", "level": level, "question": question,
+            out.append({"id": f"{prefix}-L{level}-{n:02d}", "level": level, "question": question,
                         "prompt": question + INSTRUCTION, "answer": answer, "expression": expression})
     return out
+
+
+def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
+    """The problems, level by level: dicts with id ('graded-L<level>-<nn>'), level, question, prompt,
+    answer (an int) and expression (the solution's arithmetic, in Python)."""
+    return _generate(GENERATORS, "graded", seed, per_level)
+
+
+def generate_steps(seed: int = STEPS_SEED, per_level: int = PER_LEVEL) -> list[dict]:
+    """The `graded-steps` problems, as `generate` (ids 'graded-steps-L<level>-<nn>'): level L chains
+    STEPS_PER_LEVEL[L - 1] operations."""
+    return _generate(_steps_generators(), "graded-steps", seed, per_level)
 
 
 def interleaved(problems: list[dict]) -> list[dict]:
@@ -113,9 +160,11 @@ def interleaved(problems: list[dict]) -> list[dict]:
     return [q[n] for n in range(max(map(len, queues), default=0)) for q in queues if n < len(q)]
 
 
+_LEVEL_ID = re.compile(r"graded(?:-steps)?-L(\d+)-")
+
+
 def level_of(prompt_id: str) -> int | None:
-    """The level of a graded problem from its id ('graded-L3-07' -> 3); None for other ids."""
-    if not isinstance(prompt_id, str) or not prompt_id.startswith("graded-L"):
-        return None
-    head = prompt_id[len("graded-L"):].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+    """The level of a graded problem from its id ('graded-L3-07', 'graded-steps-L3-07' -> 3); None for
+    other ids."""
+    found = _LEVEL_ID.match(prompt_id) if isinstance(prompt_id, str) else None
+    return int(found.group(1)) if found else None

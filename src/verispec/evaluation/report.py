@@ -737,6 +737,21 @@ def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
     return path, rows, notes
 
 
+def first_problems(rows: list[dict], problems: int | None, notes: list[str]) -> list[dict]:
+    """The rows of the suite's first `problems` problems (prompt_index below it; None: all rows), noted
+    in `notes`: a sequential look read at its planned number of problems after the sweep went past it
+    (the rows beyond are left out of the reading, so the look is taken on the information it planned)."""
+    if problems is None:
+        return rows
+    if isinstance(problems, bool) or not isinstance(problems, int) or problems < 1:
+        raise ValueError(f"--problems must be a positive number of problems; got {problems!r}")
+    kept = [r for r in rows if r["prompt_index"] < problems]
+    decoded = len({r["prompt_index"] for r in rows})
+    notes.insert(0, f"read on the suite's first {problems} problems only (--problems {problems}): "
+                    f"{len(kept)} of {len(rows)} rows, {decoded} problems decoded")
+    return kept
+
+
 def _read_settings(path: Path, notes: list[str]) -> dict:
     """The sweep.json beside a results file ({} when absent; an unreadable one is noted in `notes`)."""
     spec_file = path.parent / "sweep.json"
@@ -759,10 +774,11 @@ def planned_problems(settings: dict) -> int | None:
         return None
 
 
-def sweep_progress(results_dir: str | Path) -> str:
+def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
-    its declared comparisons and looks, with no outcome in it."""
+    its declared comparisons and looks, with no outcome in it (`problems`: as `write_report`)."""
     path, rows, notes = _read_sweep(results_dir)
+    rows = first_problems(rows, problems, notes)
     settings = _read_settings(path, notes)
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
@@ -770,15 +786,17 @@ def sweep_progress(results_dir: str | Path) -> str:
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                  markdown: bool = False, columns: Sequence[str] | None = None,
-                 looks_taken: int = 1) -> tuple[str, Path]:
+                 looks_taken: int = 1, problems: int | None = None) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
     table, e.g. for a README; `columns`: only these, by header name) and the path of the HTML report
     (every column). `looks_taken`: how often a fixed-design sweep's comparisons have been read
-    (`comparisons.comparisons_table`).
+    (`comparisons.comparisons_table`); `problems`: read only the suite's first N problems
+    (`first_problems`).
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
     path, rows, notes = _read_sweep(results_dir)
+    rows = first_problems(rows, problems, notes)
     for note in notes:
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []

@@ -7,8 +7,9 @@ block as it is: protocol "extract") and `humaneval-sanitized` (the same problems
 protocol: stop at the first closing fence, sanitised program, a larger cap; `code_protocol`). Adapters
 for standard local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and
 `mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts). `mtbench` (MT-Bench's 80
-first turns, scored by target log-likelihood, length and cap-hit) and `graded` (five difficulty levels
-of problems with exact answers, generated from a fixed seed).
+first turns, scored by target log-likelihood, length and cap-hit), `graded` (five difficulty levels
+of problems with exact answers, generated from a fixed seed) and `graded-steps` (five levels that differ
+only in the number of dependent arithmetic steps, 2 to 10).
 """
 
 from __future__ import annotations
@@ -231,6 +232,18 @@ def graded_suite() -> Suite:
                  primary="exact_match", max_new_tokens=384)
 
 
+def graded_steps_suite() -> Suite:
+    """The second graded task: level L chains 2L operations on a starting number (2 to 10 steps), the
+    only thing that changes between levels (`graded.generate_steps`); exact match of the final number,
+    the levels in turn as in `graded`."""
+    items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
+                                                               "expression": p["expression"]})
+                  for p in graded.interleaved(graded.generate_steps()))
+    return Suite("graded-steps", "chains of 2 to 10 arithmetic steps (5 levels x 40), exact answer",
+                 items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=512)
+
+
 def gsm8k(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(Item(str(r.get("id", i)), r["question"], r["answer"]) for i, r in enumerate(rows))
@@ -282,7 +295,8 @@ def mbpp_sanitized(path: str) -> Suite:
 SUITES: Registry[Callable[[], Suite]] = Registry("suite")
 for _name, _build in (("shakespeare", shakespeare), ("capitals", capitals), ("arithmetic", arithmetic),
                       ("humaneval", humaneval), ("humaneval-sanitized", humaneval_sanitized),
-                      ("mtbench", mtbench), ("graded", graded_suite)):
+                      ("mtbench", mtbench), ("graded", graded_suite),
+                      ("graded-steps", graded_steps_suite)):
     SUITES.add(_name, _build)
 FILE_SUITES: Registry[Callable[[str], Suite]] = Registry("file suite")
 for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp),
