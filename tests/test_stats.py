@@ -224,6 +224,13 @@ def test_progress_counts_pairs_and_looks_without_outcomes(core_rows, tmp_path, c
     assert "cos:w=0.9 k=4 T=1 - lossless k=4 T=1: 29 problems, 29 (problem, seed) pairs" in text
     assert "lossless k=4 T=1 - plain T=1: 29 problems" in text and "early: look 1 is planned at 54" in text
     assert "score" not in text and "p " not in text and "[" not in text
+    assert "passed look" not in text  # 30 problems: look 1 (54) still ahead
+    # over 50 planned problems the looks are at 16, 33, 50: 30 problems have passed look 1's count
+    assert comparisons.look_counts(3, 50) == [16, 33, 50]
+    assert comparisons.look_counts(3, 164) == [54, 109, 164]
+    passed = comparisons.progress_table(half, ["cos:w=0.9:lossless"], "obf:3", 50)
+    assert ("the fullest comparison has passed look 1's count (16 problems): if look 1 has not been read, "
+            "read it on the suite's first 16 problems (verispec report DIR --problems 16)") in passed
     out = tmp_path / "sweep"
     out.mkdir()
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in half))

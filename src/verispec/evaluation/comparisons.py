@@ -176,6 +176,12 @@ def planned_look(clusters: int, planned_clusters: int | None, looks: int) -> int
     return max(1, min(looks, math.ceil(looks * clusters / planned_clusters - 1e-9)))
 
 
+def look_counts(looks: int, planned_clusters: int) -> list[int]:
+    """The number of paired problems each planned look is at: the last count of each look's share (as
+    `planned_look`), e.g. 54, 109, 164 for three looks over 164 problems."""
+    return [math.floor(j * planned_clusters / looks + 1e-9) for j in range(1, looks + 1)]
+
+
 def sequential_design(kind: str, looks: int, paired: int | None, planned_clusters: int | None) -> str:
     """The legend's words for a group-sequential design at this reading: where its looks are planned
     (equally spaced shares of the planned problems), which look this reading is, and whether it comes
@@ -186,7 +192,7 @@ def sequential_design(kind: str, looks: int, paired: int | None, planned_cluster
     if not planned_clusters:
         return (f"{kind} boundary, {looks} planned looks; the planned number of problems is unknown, so "
                 f"this reading is taken as the last look")
-    counts = [math.floor(j * planned_clusters / looks + 1e-9) for j in range(1, looks + 1)]  # as planned_look
+    counts = look_counts(looks, planned_clusters)
     look = planned_look(paired, planned_clusters, looks)
     early = (f"; early: look {look} is planned at {counts[look - 1]} problems, and this reading takes its "
              f"threshold (one reading per look)" if paired < counts[look - 1] else "")
@@ -209,15 +215,24 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
         pairs.append(("lossless", PLAIN))
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     lines.append("paired so far (both sides decoded):")
+    fullest = 0
     for a, b in pairs:
         for key_a, key_b in _matching(units, a, b):
             both = units[key_a].keys() & units[key_b].keys()
             problems = len({p for p, _ in both})
+            fullest = max(fullest, problems)
             where = ""
             if looks > 1:
                 where = "; a report now reads: " + sequential_design(kind, looks, problems, planned_clusters)
             lines.append(f"  {_config_name(key_a)} - {_config_name(key_b)}: {problems} problems, "
                          f"{len(both)} (problem, seed) pairs{where}")
+    passed = [(j, n) for j, n in enumerate(look_counts(looks, planned_clusters), start=1)
+              if fullest > n] if looks > 1 and planned_clusters else []
+    if passed:
+        look, count = passed[-1]
+        lines.append(f"the fullest comparison has passed look {look}'s count ({count} problems): if look "
+                     f"{look} has not been read, read it on the suite's first {count} problems (verispec "
+                     f"report DIR --problems {count}), not on these rows, which would take look {look + 1}")
     return "\n".join(lines)
 
 
