@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import numpy as np
@@ -231,27 +232,44 @@ def test_progress_counts_pairs_and_looks_without_outcomes(core_rows, tmp_path, c
     passed = comparisons.progress_table(half, ["cos:w=0.9:lossless"], "obf:3", 50)
     assert ("the fullest comparison has passed look 1's count (16 problems): if look 1 has not been read, "
             "read it on the suite's first 16 problems (verispec report DIR --problems 16)") in passed
+    at_count = [r for r in half if r["prompt_index"] < 16]  # at a look's count, not past it: no hint
+    assert "passed look" not in comparisons.progress_table(at_count, [], "obf:3", 50)
+    two = comparisons.progress_table(half, [], "obf:5", 50)  # looks at 10, 20, 30, ...: the latest passed
+    assert "passed look 2's count (20 problems)" in two and "look 1's" not in two
+    assert "--problems 0" not in comparisons.progress_table(half, [], "obf:3", 2)  # look 1 at 0 problems
     out = tmp_path / "sweep"
     out.mkdir()
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in half))
-    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "compare": ["cos:w=0.9:lossless"],
-                                                "sequential": "obf:3"}))
+    shuffled = list(half)
+    random.Random(0).shuffle(shuffled)  # not in the suite's order
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shuffled))
+    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "limit": 50,
+                                                "compare": ["cos:w=0.9:lossless"], "sequential": "obf:3"}))
     assert main(["report", str(out), "--progress"]) == 0
     printed = capsys.readouterr().out
     assert "29 problems, 29 (problem, seed) pairs" in printed and not (out / "report.html").exists()
     # a look read late, at its planned count: only the suite's first N problems (prompt_index < N)
-    assert main(["report", str(out), "--progress", "--problems", "20"]) == 0
+    assert main(["report", str(out), "--progress", "--problems", "16"]) == 0
     printed = capsys.readouterr().out
-    assert "lossless k=4 T=1 - plain T=1: 19 problems" in printed and "plain T=1: 20 rows" in printed
-    first = [r for r in half if r["prompt_index"] < 20]
-    assert (f"read on the suite's first 20 problems only (--problems 20): {len(first)} of {len(half)} rows, "
+    assert "lossless k=4 T=1 - plain T=1: 15 problems" in printed and "plain T=1: 16 rows" in printed
+    first = [r for r in half if r["prompt_index"] < 16]
+    assert (f"read on the suite's first 16 problems only (--problems 16): {len(first)} of {len(half)} rows, "
             "30 problems decoded") in printed
-    assert main(["report", str(out), "--problems", "20", "--html", str(tmp_path / "r.html")]) == 0
+    assert main(["report", str(out), "--problems", "16", "--html", str(tmp_path / "r.html")]) == 0
     printed = capsys.readouterr().out
-    expected = comparisons.comparisons_table(first, ["cos:w=0.9:lossless"], "obf:3", 164)
-    assert expected.splitlines()[2] in printed and "--problems 20" in (tmp_path / "r.html").read_text()
-    assert main(["report", str(out), "--problems", "0"]) != 0
-    assert "--problems must be a positive number of problems; got 0" in capsys.readouterr().err
+    expected = comparisons.comparisons_table(first, ["cos:w=0.9:lossless"], "obf:3", 50)
+    assert expected.splitlines()[2] in printed and "--problems 16" in (tmp_path / "r.html").read_text()
+    for bad, message in ((0, "must be a positive number of problems; got 0"),
+                         (20, "a reading is taken at a planned look's count (16, 33, 50 problems)"),
+                         (60, "the sweep plans 50 problems")):
+        assert main(["report", str(out), "--problems", str(bad)]) != 0
+        assert message in capsys.readouterr().err
+    # without a sequential design any prefix may be read, and the note says it is a look of its own
+    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "limit": 50}))
+    assert main(["report", str(out), "--progress", "--problems", "20"]) == 0
+    assert "a reading of a prefix is a look of its own (count it in --looks-taken)" in capsys.readouterr().out
+    (out / "results.jsonl").write_text(json.dumps({k: v for k, v in half[0].items() if k != "prompt_index"}))
+    assert main(["report", str(out), "--problems", "20"]) != 0
+    assert "1 row(s) have no integer prompt_index" in capsys.readouterr().err
 
 
 def test_the_legend_names_each_planned_look_and_an_early_reading():

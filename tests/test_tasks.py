@@ -5,6 +5,7 @@ independently, scoring), and the report's per-level table."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import operator
 from collections import Counter
@@ -68,7 +69,27 @@ def test_graded_scoring():
     assert suite.score("I cannot tell.", item)["exact_match"] == 0.0
 
 
-def test_graded_steps_generation_levels_differ_only_in_the_number_of_steps():
+def test_graded_problems_are_pinned():
+    """Committed sweeps name problems by id: the generated problems must not change under them (a change
+    of generator is a new suite, or a new version noted in the README)."""
+    def digest(problems: list[dict]) -> str:
+        return hashlib.sha256(json.dumps(problems).encode()).hexdigest()[:16]
+
+    assert digest(graded.generate()) == "685a9524d8ef2a2f"
+    assert digest(graded.generate_steps()) == "6aaad1b3c17ff9a6"
+
+
+def chain_of(problem: dict) -> tuple[int, list[tuple[type, int]]]:
+    """(start, [(operation, operand), ...] first to last) read from the expression's parse tree."""
+    node = ast.parse(problem["expression"], mode="eval").body
+    chain = []
+    while isinstance(node, ast.BinOp):
+        chain.append((type(node.op), node.right.value))
+        node = node.left
+    return node.value, chain[::-1]
+
+
+def test_graded_steps_levels_differ_in_the_number_of_steps_and_the_steps_alike():
     first = graded.generate_steps()
     assert first == graded.generate_steps() and graded.generate_steps(seed=1) != first
     assert Counter(p["level"] for p in first) == {lv: 40 for lv in range(1, 6)}
@@ -79,22 +100,27 @@ def test_graded_steps_generation_levels_differ_only_in_the_number_of_steps():
     assert all(graded.level_of(i.id) == i.meta["level"] for i in suite.items)
     assert sorted((i.id, i.answer) for i in suite.items) == sorted((p["id"], p["answer"]) for p in first)
     assert not {p["id"] for p in first} & {p["id"] for p in graded.generate()}  # two tasks, two id spaces
+    words = {ast.Add: "Add", ast.Sub: "Subtract", ast.Mult: "Multiply by", ast.FloorDiv: "Divide by"}
+    inverse = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult}
+    values: dict[int, list[int]] = {}
     for p in first:
-        steps = graded.STEPS_PER_LEVEL[p["level"] - 1]
-        node = ast.parse(p["expression"], mode="eval").body
-        chain = []  # the operations from the last back to the first
-        while isinstance(node, ast.BinOp):
-            chain.append((type(node.op), node.right.value))
-            node = node.left
-        assert len(chain) == steps and p["question"].count("\n") == steps + 1, p
-        value = node.value  # the starting number; each step's result checked independently
+        assert p["prompt"] == p["question"] + graded.STEPS_INSTRUCTION
+        assert "without writing code" in p["prompt"]
+        value, chain = chain_of(p)
+        assert len(chain) == graded.STEPS_PER_LEVEL[p["level"] - 1] == p["question"].count("\n") - 1, p
         assert f"Start with {value} and" in p["question"]
-        words = {ast.Add: "Add", ast.Sub: "Subtract", ast.Mult: "Multiply by", ast.FloorDiv: "Divide by"}
-        for n, (op, operand) in enumerate(reversed(chain), start=1):
+        values.setdefault(p["level"], []).append(value)
+        for n, (op, operand) in enumerate(chain, start=1):
             assert f"\n{n}. {words[op]} {operand}.\n" in p["question"], (p, n)
-            value = OPS[op](Fraction(value), operand)
+            value = OPS[op](Fraction(value), operand)  # each step's result checked independently
             assert value.denominator == 1 and 1 <= value < graded.CHAIN_LIMIT, (p, n)
+            values[p["level"]].append(int(value))
+            assert n == 1 or chain[n - 2] != (inverse[op], operand), (p, n)  # no step undoes the last
         assert value == exact_value(p["expression"]) == p["answer"], p
+    # the burn-in: every level's steps act on numbers of the same sizes (mean values 372-432 here; without
+    # it, chains started at 2-30 averaged 82 at level 1 and 252 at level 4)
+    means = [sum(v) / len(v) for _, v in sorted(values.items())]
+    assert max(means) < 1.25 * min(means) and min(means) > 200, means
     item = suite.items[0]
     assert suite.score(f"so the result is\n#### {item.answer}", item) == {"exact_match": 1.0}
     assert suite.score(f"#### {item.answer + 1}", item) == {"exact_match": 0.0}

@@ -227,7 +227,7 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
             lines.append(f"  {_config_name(key_a)} - {_config_name(key_b)}: {problems} problems, "
                          f"{len(both)} (problem, seed) pairs{where}")
     passed = [(j, n) for j, n in enumerate(look_counts(looks, planned_clusters), start=1)
-              if fullest > n] if looks > 1 and planned_clusters else []
+              if 1 <= n < fullest and j < looks] if looks > 1 and planned_clusters else []
     if passed:
         look, count = passed[-1]
         lines.append(f"the fullest comparison has passed look {look}'s count ({count} problems): if look "

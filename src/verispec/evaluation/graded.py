@@ -9,17 +9,23 @@ the problem is built, and every problem carries the arithmetic expression of its
 truncation verifier falls further behind truncation sampling as problems get harder (issue 23; the
 report prints the gap per level: `comparisons.level_table`).
 
-A second graded task (suite `graded-steps`) grades by one thing only, the number of dependent steps:
-level L is a chain of 2L operations (add, subtract, multiply by a digit, exact division by a digit) on
-a starting number, every intermediate a positive integer below 1000. Each step is a chance to slip, so
-a model's accuracy falls with the chain's length whatever the operations it finds easy, which is what
-the first task's levels fail to do on a code model (README, 'The graded task on the Qwen pair').
+A second graded task (suite `graded-steps`) grades by the number of dependent steps: level L is a
+chain of 2L operations (add or subtract 3-49, multiply by a digit, exact division by a digit) on a
+starting number, every intermediate a positive integer below 1000, every step drawn by the same rule.
+The shown start is itself reached by BURN_IN hidden steps, so the numbers a step acts on have the same
+spread at every level (a chain started at a small number would do harder arithmetic the longer it
+runs), and no step undoes the one before. Each step is one more chance to slip; whether that makes
+the levels difficulty levels on a given model is measured, not assumed (README, 'A second graded
+task'). The first task's levels change the kind of problem too, and on the Qwen coder they are not
+ordered by difficulty (README, 'The graded task on the Qwen pair').
 """
 
 from __future__ import annotations
 
 import random
 import re
+from functools import partial
+from typing import Callable, Sequence
 
 SEED = 20260
 LEVELS = 5
@@ -94,23 +100,46 @@ GENERATORS = (_level1, _level2, _level3, _level4, _level5)
 STEPS_SEED = 20261
 STEPS_PER_LEVEL = (2, 4, 6, 8, 10)
 CHAIN_LIMIT = 1000  # every intermediate value lies in 1 .. CHAIN_LIMIT - 1
+BURN_IN = 10  # hidden steps before the shown start: every level's steps act on numbers alike
+STEPS_INSTRUCTION = ("\nWork it out by hand, step by step, without writing code, then give the final answer "
+                     "as a number on the last line after '####'.")
+_OPS = {"add": ("+", "Add"), "sub": ("-", "Subtract"), "mul": ("*", "Multiply by"),
+        "div": ("//", "Divide by")}
+_INVERSE = {"add": "sub", "sub": "add", "mul": "div", "div": "mul"}
+
+Step = tuple[str, int, int]  # (operation, operand, the value after it)
+Maker = Callable[[random.Random], tuple[str, str, int]]  # rng -> (question, expression, answer)
+
+
+def _step(rng: random.Random, value: int, previous: tuple[str, int] | None) -> Step:
+    """One operation on `value`, drawn uniformly among those whose result is a positive integer below
+    CHAIN_LIMIT (division only when exact), never the exact inverse of the previous step (e.g. add 18
+    right after subtract 18); operands are redrawn until some operation is allowed."""
+    while True:
+        operands = {"add": rng.randint(3, 49), "sub": rng.randint(3, 49), "mul": rng.randint(2, 9),
+                    "div": rng.randint(2, 9)}
+        results = {"add": value + operands["add"], "sub": value - operands["sub"],
+                   "mul": value * operands["mul"], "div": value // operands["div"]}
+        allowed = [op for op in _OPS if 1 <= results[op] < CHAIN_LIMIT
+                   and (op != "div" or (value % operands["div"] == 0 and results[op] >= 2))
+                   and (previous is None or (_INVERSE[previous[0]], previous[1]) != (op, operands[op]))]
+        if allowed:
+            op = rng.choice(allowed)
+            return op, operands[op], results[op]
 
 
 def _chain(rng: random.Random, steps: int) -> tuple[str, str, int]:
-    """A chain of `steps` operations on a starting number, each allowed only where its result is a
-    positive integer below CHAIN_LIMIT (division only when exact), drawn uniformly among those allowed."""
-    start = value = rng.randint(2, 30)
-    expression, lines = str(start), []
+    """A chain of `steps` operations (`_step`) on a start reached by BURN_IN hidden steps from a number in
+    2..30, so that the shown steps of every level act on numbers of the same sizes."""
+    value, previous = rng.randint(2, 30), None
+    for _ in range(BURN_IN):
+        op, operand, value = _step(rng, value, previous)
+        previous = (op, operand)
+    start, expression, lines = value, str(value), []
     for n in range(1, steps + 1):
-        add, sub, mul, div = rng.randint(3, 49), rng.randint(3, 49), rng.randint(2, 9), rng.randint(2, 9)
-        allowed = [op for op, ok in (("add", value + add < CHAIN_LIMIT), ("sub", value - sub >= 1),
-                                     ("mul", value * mul < CHAIN_LIMIT),
-                                     ("div", value % div == 0 and value // div >= 2)) if ok]
-        op = rng.choice(allowed)  # "sub" or "add" is always allowed: value < CHAIN_LIMIT
-        operand, symbol, word = {"add": (add, "+", "Add"), "sub": (sub, "-", "Subtract"),
-                                 "mul": (mul, "*", "Multiply by"), "div": (div, "//", "Divide by")}[op]
-        value = {"+": value + operand, "-": value - operand, "*": value * operand,
-                 "//": value // operand}[symbol]
+        op, operand, value = _step(rng, value, previous)
+        previous = (op, operand)
+        symbol, word = _OPS[op]
         expression = f"({expression}) {symbol} {operand}" if n > 1 else f"{expression} {symbol} {operand}"
         lines.append(f"{n}. {word} {operand}.")
     text = f"Start with {start} and apply these steps in order:\n" + "\n".join(lines) + \
@@ -118,11 +147,8 @@ def _chain(rng: random.Random, steps: int) -> tuple[str, str, int]:
     return text, expression, value
 
 
-def _steps_generators() -> tuple:
-    return tuple((lambda rng, s=s: _chain(rng, s)) for s in STEPS_PER_LEVEL)
-
-
-def _generate(makers: tuple, prefix: str, seed: int, per_level: int) -> list[dict]:
+def _generate(makers: Sequence[Maker], prefix: str, instruction: str, seed: int,
+              per_level: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for level, make in enumerate(makers, start=1):
@@ -134,20 +160,21 @@ def _generate(makers: tuple, prefix: str, seed: int, per_level: int) -> list[dic
             seen.add(question)
             n = len(seen)
             out.append({"id": f"{prefix}-L{level}-{n:02d}", "level": level, "question": question,
-                        "prompt": question + INSTRUCTION, "answer": answer, "expression": expression})
+                        "prompt": question + instruction, "answer": answer, "expression": expression})
     return out
 
 
 def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
     """The problems, level by level: dicts with id ('graded-L<level>-<nn>'), level, question, prompt,
     answer (an int) and expression (the solution's arithmetic, in Python)."""
-    return _generate(GENERATORS, "graded", seed, per_level)
+    return _generate(GENERATORS, "graded", INSTRUCTION, seed, per_level)
 
 
 def generate_steps(seed: int = STEPS_SEED, per_level: int = PER_LEVEL) -> list[dict]:
     """The `graded-steps` problems, as `generate` (ids 'graded-steps-L<level>-<nn>'): level L chains
-    STEPS_PER_LEVEL[L - 1] operations."""
-    return _generate(_steps_generators(), "graded-steps", seed, per_level)
+    STEPS_PER_LEVEL[L - 1] operations; the prompt asks for working by hand (STEPS_INSTRUCTION)."""
+    makers = [partial(_chain, steps=steps) for steps in STEPS_PER_LEVEL]
+    return _generate(makers, "graded-steps", STEPS_INSTRUCTION, seed, per_level)
 
 
 def interleaved(problems: list[dict]) -> list[dict]:

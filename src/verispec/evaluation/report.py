@@ -30,8 +30,9 @@ from pathlib import Path
 from statistics import mean, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table, progress_table,
-                                             tier_table)
+from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table, look_counts,
+                                             progress_table, tier_table)
+from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.tables import markdown_table, text_table
@@ -737,18 +738,40 @@ def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
     return path, rows, notes
 
 
-def first_problems(rows: list[dict], problems: int | None, notes: list[str]) -> list[dict]:
+def first_problems(rows: list[dict], problems: int | None, settings: dict, notes: list[str]) -> list[dict]:
     """The rows of the suite's first `problems` problems (prompt_index below it; None: all rows), noted
     in `notes`: a sequential look read at its planned number of problems after the sweep went past it
-    (the rows beyond are left out of the reading, so the look is taken on the information it planned)."""
+    (the rows beyond are left out of the reading, so the look is taken on the information it planned).
+    Under a declared sequential design (`settings`, the sweep.json) only a planned look's count is
+    accepted, so no other prefix can be read; without one, the note says the reading counts as a look."""
     if problems is None:
         return rows
     if isinstance(problems, bool) or not isinstance(problems, int) or problems < 1:
         raise ValueError(f"--problems must be a positive number of problems; got {problems!r}")
+    planned = planned_problems(settings)
+    if planned is not None and problems > planned:
+        raise ValueError(f"--problems {problems}: the sweep plans {planned} problems")
+    if settings.get("sequential") and planned:
+        _, looks = parse_sequential(settings["sequential"])
+        counts = look_counts(looks, planned)
+        if problems not in counts:
+            raise ValueError(f"--problems {problems}: under the declared design {settings['sequential']} a "
+                             f"reading is taken at a planned look's count ({', '.join(map(str, counts))} "
+                             "problems), not at another prefix")
+    bad = [r for r in rows if type(r.get("prompt_index")) is not int]
+    if bad:
+        raise ValueError(f"--problems: {len(bad)} row(s) have no integer prompt_index (e.g. config "
+                         f"{bad[0].get('config')!r}, prompt {bad[0].get('prompt_id')!r}), so the suite's "
+                         "order is unknown")
     kept = [r for r in rows if r["prompt_index"] < problems]
     decoded = len({r["prompt_index"] for r in rows})
     notes.insert(0, f"read on the suite's first {problems} problems only (--problems {problems}): "
-                    f"{len(kept)} of {len(rows)} rows, {decoded} problems decoded")
+                    f"{len(kept)} of {len(rows)} rows, {decoded} problems decoded"
+                    + ("" if settings.get("sequential") else
+                       "; with no declared sequential design a reading of a prefix is a look of its own "
+                       "(count it in --looks-taken)")
+                    + (f"; fewer problems than {problems} are decoded, so this is every row" if
+                       decoded < problems else ""))
     return kept
 
 
@@ -778,8 +801,8 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
     its declared comparisons and looks, with no outcome in it (`problems`: as `write_report`)."""
     path, rows, notes = _read_sweep(results_dir)
-    rows = first_problems(rows, problems, notes)
     settings = _read_settings(path, notes)
+    rows = first_problems(rows, problems, settings, notes)
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
 
@@ -796,7 +819,8 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
     path, rows, notes = _read_sweep(results_dir)
-    rows = first_problems(rows, problems, notes)
+    settings = _read_settings(path, notes)
+    rows = first_problems(rows, problems, settings, notes)
     for note in notes:
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
@@ -806,7 +830,6 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                      "their speedup is that sweep's report's, not this one's")
     if not rows:
         raise ValueError(f"no usable results in {path}" + (": " + "; ".join(notes) if notes else ""))
-    settings = _read_settings(path, notes)
     keys = ("suite", "target", "draft", "ks", "temperatures", "seeds", "limit", "dtype", "device", "backend",
             "compare", "sequential")
     meta = {k: v for k, v in settings.items() if k in keys}

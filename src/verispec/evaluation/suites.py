@@ -220,28 +220,29 @@ def mtbench() -> Suite:
                  items, _text_metrics, primary=TARGET_LOGLIK, max_new_tokens=768)
 
 
-def graded_suite() -> Suite:
-    """Five difficulty levels of arithmetic and word problems with exact answers, 40 per level, generated
-    from a fixed seed (`verispec.evaluation.graded`); exact match of the final number. The items take
-    the levels in turn (L1-01, L2-01, ..., L5-01, L1-02, ...), so `--limit N` keeps the levels balanced."""
+def _graded(name: str, description: str, problems: list[dict], max_new_tokens: int) -> Suite:
+    """A graded suite from `graded`'s problems: the levels in turn (L1-01, L2-01, ..., L5-01, L1-02, ...),
+    so `--limit N` keeps the levels balanced; exact match of the final number."""
     items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
                                                                "expression": p["expression"]})
-                  for p in graded.interleaved(graded.generate()))
-    return Suite("graded", "difficulty-graded arithmetic and word problems (5 levels x 40), exact answer",
-                 items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
-                 primary="exact_match", max_new_tokens=384)
+                  for p in graded.interleaved(problems))
+    return Suite(name, description, items,
+                 lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
+                 primary="exact_match", max_new_tokens=max_new_tokens)
+
+
+def graded_suite() -> Suite:
+    """Five difficulty levels of arithmetic and word problems with exact answers, 40 per level, generated
+    from a fixed seed (`verispec.evaluation.graded`)."""
+    return _graded("graded", "difficulty-graded arithmetic and word problems (5 levels x 40), exact answer",
+                   graded.generate(), 384)
 
 
 def graded_steps_suite() -> Suite:
-    """The second graded task: level L chains 2L operations on a starting number (2 to 10 steps), the
-    only thing that changes between levels (`graded.generate_steps`); exact match of the final number,
-    the levels in turn as in `graded`."""
-    items = tuple(Item(p["id"], p["prompt"], p["answer"], meta={"level": p["level"],
-                                                               "expression": p["expression"]})
-                  for p in graded.interleaved(graded.generate_steps()))
-    return Suite("graded-steps", "chains of 2 to 10 arithmetic steps (5 levels x 40), exact answer",
-                 items, lambda out, it: {"exact_match": scorers.numeric_match(out, it.answer)},
-                 primary="exact_match", max_new_tokens=512)
+    """The second graded task: level L chains 2L arithmetic operations (2 to 10 steps) drawn by one rule
+    on numbers of the same sizes at every level (`graded.generate_steps`)."""
+    return _graded("graded-steps", "chains of 2 to 10 arithmetic steps (5 levels x 40), exact answer",
+                   graded.generate_steps(), 512)
 
 
 def gsm8k(path: str) -> Suite:
