@@ -156,9 +156,10 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
             "seed": seed, "score": score, "tokens": 10, "finish": "eos"}
 
 
-def test_level_table_on_constructed_rows():
+@pytest.mark.parametrize("prefix", ["graded", "graded-steps"])
+def test_level_table_on_constructed_rows(prefix):
     """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
-    level."""
+    level; the same for either graded suite's ids."""
     from verispec.evaluation.report import baseline_of
 
     gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
@@ -166,11 +167,12 @@ def test_level_table_on_constructed_rows():
     rows = []
     for n in range(6):
         for seed in (0, 1):
-            rows += [row(gate, f"graded-L1-{n:02d}", 1.0, seed), row(honest, f"graded-L1-{n:02d}", 1.0, seed),
-                     row(gate, f"graded-L2-{n:02d}", float(n % 2), seed),
-                     row(honest, f"graded-L2-{n:02d}", 1.0, seed),
-                     row("plain", f"graded-L1-{n:02d}", 1.0, seed),
-                     row("plain", f"graded-L2-{n:02d}", 0.5, seed)]
+            rows += [row(gate, f"{prefix}-L1-{n:02d}", 1.0, seed),
+                     row(honest, f"{prefix}-L1-{n:02d}", 1.0, seed),
+                     row(gate, f"{prefix}-L2-{n:02d}", float(n % 2), seed),
+                     row(honest, f"{prefix}-L2-{n:02d}", 1.0, seed),
+                     row("plain", f"{prefix}-L1-{n:02d}", 1.0, seed),
+                     row("plain", f"{prefix}-L2-{n:02d}", 0.5, seed)]
     table = comparisons.level_table(rows, baseline_of)
     gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
     assert "+0.000 [+0.000, +0.000] n=6" in gate_line and "-0.500 [" in gate_line
