@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from typing import Callable
 from dataclasses import dataclass
 from statistics import mean
+from typing import Callable
 
 from verispec.evaluation import stats
 from verispec.evaluation.graded import level_of

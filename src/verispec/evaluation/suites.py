@@ -8,8 +8,8 @@ protocol: stop at the first closing fence, sanitised program, a larger cap; `cod
 for standard local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-answer extraction) and
 `mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts). `mtbench` (MT-Bench's 80
 first turns, scored by target log-likelihood, length and cap-hit), `graded` (five difficulty levels
-of problems with exact answers, generated from a fixed seed) and `graded-steps` (five levels that differ
-only in the number of dependent arithmetic steps, 2 to 10).
+of problems with exact answers, generated from a fixed seed) and `graded-steps` (five levels by the number
+of dependent arithmetic steps, 2 to 10, each step drawn by the same rule).
 """
 
 from __future__ import annotations
