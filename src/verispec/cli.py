@@ -58,9 +58,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the models run (cpu, cuda); rule maths run on the CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the target's compute dtype (default float32)")
+                        help="the target's compute dtype (default float32; a named -int4 or -gguf model "
+                             "fixes its own and takes only the default, which then means 'the model's own')")
     parser.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="a separate draft model's compute dtype (default float32)")
+                        help="a separate draft model's compute dtype (default float32; as --dtype for a "
+                             "named -int4 or -gguf draft: the rows' draft_dtype float32 then means the "
+                             "model's own, int4 weights with bf16 compute)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
