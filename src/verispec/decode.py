@@ -98,7 +98,8 @@ class Generation:
     rule: Rule | None  # the verification rule; None for plain decoding of the target
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
-    # sampling of draft tokens), per-position diagnostics; the rest is the loop's own work
+    # sampling of draft tokens), per-position diagnostics (this row's own: in a batch, the other rows'
+    # diagnostics are in `seconds` but not here: BatchDecoder); the rest is the loop's own work
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     diagnostics_seconds: float = 0.0
@@ -457,7 +458,9 @@ class BatchDecoder:
     A row's `seconds` is the wall time from its `add` to its finish; `target_calls` / `draft_calls`
     count the (shared) passes the row took part in, and `target_seconds` / `draft_seconds` the full
     time of those shared passes (attributed to every row in them, so they add up to more than the
-    wall time across rows).
+    wall time across rows). `diagnostics_seconds` is the row's own diagnostics work (computed per
+    row, not shared): the batch's diagnostics time is the sum over its rows, so at batch B a row's
+    diagnostics_seconds / seconds under-states the diagnostics' share of the wall time about B-fold.
     """
 
     def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str | None = None,
