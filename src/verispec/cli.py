@@ -63,7 +63,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="a separate draft model's compute dtype (default float32; as --dtype for a "
                              "named -int4 or -gguf draft: the rows' draft_dtype float32 then means the "
-                             "model's own, int4 weights with bf16 compute)")
+                             "model's own: int4 weights with bf16 compute, or "
+                             "llama.cpp's quantized weights)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

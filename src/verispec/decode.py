@@ -99,7 +99,8 @@ class Generation:
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
     # sampling of draft tokens), per-position diagnostics (this row's own: in a batch, the other rows'
-    # diagnostics are in `seconds` but not here: BatchDecoder); the rest is the loop's own work
+    # diagnostics are in `seconds` but not here: BatchDecoder); the rest is the loop's own work and,
+    # in a batch, the other rows' diagnostics
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     diagnostics_seconds: float = 0.0
@@ -460,7 +461,7 @@ class BatchDecoder:
     time of those shared passes (attributed to every row in them, so they add up to more than the
     wall time across rows). `diagnostics_seconds` is the row's own diagnostics work (computed per
     row, not shared): the batch's diagnostics time is the sum over its rows, so at batch B a row's
-    diagnostics_seconds / seconds under-states the diagnostics' share of the wall time about B-fold.
+    diagnostics_seconds / seconds under-states the diagnostics' share of the wall time up to B-fold.
     """
 
     def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str | None = None,
