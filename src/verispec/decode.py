@@ -98,9 +98,8 @@ class Generation:
     rule: Rule | None  # the verification rule; None for plain decoding of the target
     probs: dict[str, list[Tensor]] | None = None
     # where the time went (seconds): target forward passes, drafting (draft passes, processing and
-    # sampling of draft tokens), per-position diagnostics (this row's own: in a batch, the other rows'
-    # diagnostics are in `seconds` but not here: BatchDecoder); the rest is the loop's own work and,
-    # in a batch, the other rows' diagnostics
+    # sampling of draft tokens), this row's own per-position diagnostics; the rest is the loop's own work
+    # and, in a batch, the other rows' diagnostics (BatchDecoder)
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     diagnostics_seconds: float = 0.0

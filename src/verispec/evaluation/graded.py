@@ -178,13 +178,13 @@ def generate_steps(seed: int = STEPS_SEED, per_level: int = PER_LEVEL) -> list[d
 
 
 def interleaved(problems: list[dict], key: str = "level") -> list[dict]:
-    """The problems with the levels (or another `key`'s values, in sorted order) taken in turn (the first of
-    each level, then the second of each, ...), so that any prefix is balanced across levels (to one
-    problem)."""
-    by_level: dict[object, list[dict]] = {}
+    """The problems with the values of `key` (the level by default), in sorted order, taken in turn (the
+    first problem of each, then the second of each, ...), so that any prefix is balanced across them (to
+    one problem)."""
+    groups: dict[object, list[dict]] = {}
     for p in problems:
-        by_level.setdefault(p[key], []).append(p)
-    queues = [by_level[lv] for lv in sorted(by_level)]
+        groups.setdefault(p[key], []).append(p)
+    queues = [groups[value] for value in sorted(groups)]
     return [q[n] for n in range(max(map(len, queues), default=0)) for q in queues if n < len(q)]
 
 
