@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verispec import gates
-from verispec.diagnostics import js, kl, max_ratio, tail_mass, tv
+from verispec.diagnostics import js, kl, max_ratio, shift, tail_mass, tv
 from verispec.sampling import SamplingConfig, process
 
 
@@ -145,3 +145,40 @@ def test_distances_known_values():
     assert not torch.isnan(kl(torch.eye(3), torch.eye(3)[[1, 2, 0]])).any()
     with pytest.raises(ValueError, match="same shape"):
         tv(a, b[:2])
+
+
+@pytest.mark.parametrize("mix", ["dense", "sparse", "mixed"])
+def test_shift_distances_equal_the_separate_functions(mix):
+    """The diagnostics' fused distances (one ratio law/p shared by KL and the overshoot) equal tv, kl,
+    max_ratio, tail_mass of `verispec.probability` within float64 rounding, +inf cases included: rows
+    where p has zeros (law has mass there: inf; law has none: finite), laws with zeros, law == p."""
+    n, v = 12, 2000
+
+    def dirichlet(alpha: float) -> torch.Tensor:
+        g = torch.distributions.Gamma(torch.full((n, v), alpha, dtype=torch.float64), 1.0).sample()
+        return g / g.sum(-1, keepdim=True)
+
+    torch.manual_seed(3)
+    p, law, base = dirichlet(0.05), dirichlet(0.3), dirichlet(1.0)
+    law[0] = p[0]  # no shift: tv = kl = 0, ratio 1
+    law[1] = torch.where(p[1] >= 0.1 * p[1].max(), p[1], 0.0)  # a truncated law (zeros in law)
+    law[1] /= law[1].sum()
+    p[2:4] = torch.where(torch.rand(2, v) < 0.3, 0.0, p[2:4] + 1e-30)  # zeros in p
+    p[2:4] /= p[2:4].sum(-1, keepdim=True)
+    law[3] = torch.where(p[3] > 0, law[3], 0.0)  # ... where law has no mass: finite KL and ratio
+    law[3] /= law[3].sum()
+    p[4:] = p[4:].clamp_min(1e-40)  # tiny but positive: the fused path
+    p[4:] /= p[4:].sum(-1, keepdim=True)
+    rows = {"dense": [0, 1, 4, 5, 6], "sparse": [2, 3], "mixed": list(range(n))}[mix]
+    law, p, base = law[rows], p[rows], base[rows]
+    got = shift._shift_distances(law, p, base)
+    want = {"tv": tv(law, p), "kl": kl(law, p), "max_ratio": max_ratio(law, p),
+            "tail_mass": tail_mass(law, p), "tv_baseline": tv(law, base)}
+    for name, ref in want.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-12, atol=1e-15, msg=name)
+    if mix != "dense":
+        assert math.isinf(got["kl"][rows.index(2)]) and math.isinf(got["max_ratio"][rows.index(2)])
+        assert math.isfinite(got["kl"][rows.index(3)])
+    if mix != "sparse":
+        assert got["kl"][0] == 0 and got["tv"][0] == 0 and got["max_ratio"][0] == 1
+    assert torch.isnan(shift._shift_distances(law, p, None)["tv_baseline"]).all()

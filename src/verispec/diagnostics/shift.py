@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verispec.probability import kl, max_ratio, renormalised_f64, tail_mass, tv
+from verispec.probability import kl, max_ratio, renormalised_f64
 from verispec.rules.base import Rule
 
 ROLES = ("accepted", "recovered", "bonus", "plain")
@@ -59,6 +59,33 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
     }
 
 
+def _shift_distances(law: Tensor, p: Tensor, base: Tensor | None) -> dict:
+    """tv, kl, max_ratio, tail_mass of law [n, V] against p [n, V] (float64 rows), and tv_baseline
+    against base [n, V] (None: NaN), with the definitions of `verispec.probability` (docs/design.md,
+    'Diagnostics'). Rows where p > 0 everywhere (the usual case) take one ratio `law / p` shared by KL
+    (xlogy(law, law / p), one log instead of two) and the overshoot: about a third of the full-vocabulary
+    passes of the separate functions, equal to them within float64 rounding (tests). Rows with a zero in
+    p (a truncated target, an underflowed softmax) go through the separate functions, whose +inf cases
+    live there."""
+    n = p.shape[0]
+    out = {"tv": (law - p).abs_().sum(-1) / 2,
+           "tv_baseline": (law - base).abs_().sum(-1) / 2 if base is not None
+           else torch.full((n,), torch.nan, dtype=torch.float64),
+           "tail_mass": torch.where(p < TAIL, law, 0.0).sum(-1)}
+    dense = p.amin(-1) > 0  # [n]
+    out["kl"], out["max_ratio"] = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+    if dense.any():
+        law_d, p_d = (law, p) if dense.all() else (law[dense], p[dense])
+        ratio = law_d / p_d  # [n_dense, V]; finite, 0 where law is 0
+        out["max_ratio"][dense] = ratio.amax(-1)  # law has mass somewhere: the max over law > 0
+        out["kl"][dense] = torch.special.xlogy(law_d, ratio).sum(-1).clamp_min(0)  # 0 log 0 = 0
+    if not dense.all():
+        sparse = ~dense
+        out["kl"][sparse] = kl(law[sparse], p[sparse])
+        out["max_ratio"][sparse] = max_ratio(law[sparse], p[sparse])
+    return out
+
+
 def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor, tokens: Tensor,
                    roles: list[str], laws: Tensor | None = None) -> dict:
     """Shift statistics of emitted positions, computed in one batch.
@@ -98,11 +125,7 @@ def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor,
             "token": tokens.long(),
             "log_target": p.gather(-1, idx).squeeze(-1).log(),
             "log_law": law.gather(-1, idx).squeeze(-1).log(),
-            "tv": tv(law, p),
-            "kl": kl(law, p),
-            "tv_baseline": tv(law, base) if base is not None else nan,
-            "max_ratio": max_ratio(law, p),
-            "tail_mass": tail_mass(law, p, TAIL),
+            **_shift_distances(law, p, base),
             "expected_accept": expected,
             "draft_confidence": confidence,
             "draft_over_target": over,
