@@ -252,3 +252,30 @@ def test_speedup_pairs_rows_timed_in_the_same_run():
     # rows written before rows recorded their run (no "run" field) pair as they always did
     legacy = [{k: v for k, v in r.items() if k != "run"} for r in plain + resumed]
     assert {s["config"]: s for s in summarize(legacy)}["cos:w=0.5 k=4 T=1"]["unpaired"] == 0
+
+
+def test_load_notes_flag_chunks_far_below_their_configurations_median():
+    """A chunk (a configuration's consecutive rows in one run) at under half its configuration's median
+    throughput is named: on a shared CPU the speedup column takes it at face value."""
+    from verispec.evaluation.report import load_notes
+
+    def chunk(config: str, first: int, batch_seconds: float, run: str = "r1") -> list[dict]:
+        return [{"config": config, "prompt_id": f"P/{p}", "seed": 0, "tokens": 10, "seconds": 99.0,
+                 "batch_size": 2, "chunk_size": 2, "batch_seconds": batch_seconds, "run": run}
+                for p in (first, first + 1)]  # 20 tokens over batch_seconds: 20 / batch_seconds tokens/s
+
+    rows = []
+    for i in range(5):
+        rows += chunk("plain T=1", 2 * i, 2.0) + chunk("lossless k=4 T=1", 2 * i, 5.0 if i == 3 else 1.9)
+    (note,) = load_notes(rows)
+    assert note.startswith("speed: 1 of 10 chunks") and "lossless k=4 T=1 P/6..P/7 at 4 tokens/s" in note
+    assert "(0.38x)" in note  # 4 against the median 20 / 1.9 = 10.5
+    steady = [r for r in rows if r["config"] == "plain T=1"]
+    assert load_notes(steady) == []
+    assert load_notes(rows[:12]) == []  # three chunks of each: too few for a median
+    copied = [{**r, "reused_from": "elsewhere"} if r["batch_seconds"] == 5.0 else r for r in rows]
+    assert load_notes(copied) == []  # a copied row was timed in another sweep
+    # consecutive rows of one configuration are one chunk per run: 4 chunks here, the last one slow
+    runs = [chunk("plain T=1", 2 * i, 9.0 if i == 3 else 2.0, run=f"r{i % 2}") for i in range(4)]
+    assert "1 of 4 chunks" in load_notes(sum(runs, []))[0]
+    assert load_notes(sum(runs[:3], []) + [{**r, "run": "r0"} for r in runs[3]]) == []  # merged: 3

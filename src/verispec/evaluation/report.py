@@ -27,7 +27,7 @@ import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean, median, stdev
 from typing import Sequence
 
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table, look_counts,
@@ -698,6 +698,49 @@ def speedup_notes(summary: list[dict]) -> list[str]:
     return notes
 
 
+
+SLOW_CHUNK = 0.5  # a chunk below this fraction of its configuration's median chunk throughput is flagged
+
+
+def load_notes(rows: list[dict]) -> list[str]:
+    """A note on chunks that ran far slower than their configuration's other chunks: consecutive rows of
+    one configuration in one run (a sweep writes a chunk's rows together), whose throughput (tokens over
+    `row_seconds`) is below SLOW_CHUNK x the median chunk's. On a shared machine that is usually another
+    job on the CPU; the speedup column pairs rows within a run, so it takes such a chunk at face value.
+    Needs at least 4 chunks of a configuration (a median to compare with)."""
+    chunks: list[tuple[str, list[dict]]] = []
+    for row in rows:
+        if "reused_from" in row or row_seconds(row) <= 0:
+            continue
+        if chunks and chunks[-1][0] == row["config"] and chunks[-1][1][-1].get("run") == row.get("run"):
+            chunks[-1][1].append(row)
+        else:
+            chunks.append((row["config"], [row]))
+    by_config: dict[str, list[tuple[float, list[dict]]]] = defaultdict(list)
+    for config, group in chunks:
+        rate = sum(r["tokens"] for r in group) / sum(row_seconds(r) for r in group)  # tokens/s
+        by_config[config].append((rate, group))
+    slow, total, worst = [], 0, None
+    for config, found in by_config.items():
+        if len(found) < 4:
+            continue
+        total += len(found)
+        typical = median(rate for rate, _ in found)
+        for rate, group in found:
+            if rate < SLOW_CHUNK * typical:
+                slow.append(group)
+                if worst is None or rate / typical < worst[0]:
+                    worst = (rate / typical, config, group, rate, typical)
+    if not slow:
+        return []
+    share, config, group, rate, typical = worst
+    return [f"speed: {len(slow)} of {total} chunks (a configuration's consecutive rows in one run) ran "
+            f"below {SLOW_CHUNK:g}x their configuration's median throughput, the slowest {config} "
+            f"{group[0]['prompt_id']}..{group[-1]['prompt_id']} at {rate:.3g} tokens/s against "
+            f"{typical:.3g} ({share:.2f}x): likely another job on the CPU; the speedup column counts "
+            "them as decoded, so it measures the machine's load as well as the rule (time speed on a "
+            "quiet machine: benchmarks/)"]
+
 def score_notes(rows: list[dict]) -> list[str]:
     """A note counting and naming the rows whose score is not a finite number (NaN, inf, null, a string):
     they are left out of the score, its interval and the paired difference, so a column's n is smaller
@@ -825,6 +868,7 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
     notes += unit_set_notes(rows) + score_notes(rows) + timeout_notes(rows) + speedup_notes(summary)
+    notes += load_notes(rows)
     for source, count in Counter(r["reused_from"] for r in rows if "reused_from" in r).items():
         notes.append(f"{count} row(s) copied from {source} (--reuse-from): decoded and timed there, so "
                      "their speedup is that sweep's report's, not this one's")
