@@ -148,10 +148,11 @@ def test_distances_known_values():
 
 
 @pytest.mark.parametrize("mix", ["dense", "sparse", "mixed"])
-def test_shift_distances_equal_the_separate_functions(mix):
+def test_shift_distances_equal_the_separate_functions(mix, monkeypatch):
     """The diagnostics' fused distances (one ratio law/p shared by KL and the overshoot) equal tv, kl,
     max_ratio, tail_mass of `verispec.probability` within float64 rounding, +inf cases included: rows
-    where p has zeros (law has mass there: inf; law has none: finite), laws with zeros, law == p."""
+    where p has zeros (law has mass there: inf; law has none: finite) or entries below 1e-300, laws with
+    zeros, law == p. Rows with p >= 1e-300 take the fused path, the others the separate functions."""
     n, v = 12, 2000
 
     def dirichlet(alpha: float) -> torch.Tensor:
@@ -160,6 +161,8 @@ def test_shift_distances_equal_the_separate_functions(mix):
 
     torch.manual_seed(3)
     p, law, base = dirichlet(0.05), dirichlet(0.3), dirichlet(1.0)
+    p[4:] = p[4:].clamp_min(1e-40)  # tiny but >= 1e-300: the fused path
+    p[4:] /= p[4:].sum(-1, keepdim=True)
     law[0] = p[0]  # no shift: tv = kl = 0, ratio 1
     law[1] = torch.where(p[1] >= 0.1 * p[1].max(), p[1], 0.0)  # a truncated law (zeros in law)
     law[1] /= law[1].sum()
@@ -167,11 +170,13 @@ def test_shift_distances_equal_the_separate_functions(mix):
     p[2:4] /= p[2:4].sum(-1, keepdim=True)
     law[3] = torch.where(p[3] > 0, law[3], 0.0)  # ... where law has no mass: finite KL and ratio
     law[3] /= law[3].sum()
-    p[4:] = p[4:].clamp_min(1e-40)  # tiny but positive: the fused path
-    p[4:] /= p[4:].sum(-1, keepdim=True)
-    rows = {"dense": [0, 1, 4, 5, 6], "sparse": [2, 3], "mixed": list(range(n))}[mix]
+    p[11, :5] = 1e-305  # below the separate functions' clamp (1e-300): they decide
+    rows = {"dense": [0, 1, 4, 5, 6], "sparse": [2, 3, 11], "mixed": list(range(n))}[mix]
     law, p, base = law[rows], p[rows], base[rows]
+    separate = []  # rows the separate functions see
+    monkeypatch.setattr(shift, "kl", lambda a, b: separate.append(len(a)) or kl(a, b))
     got = shift._shift_distances(law, p, base)
+    assert sum(separate) == {"dense": 0, "sparse": 3, "mixed": 3}[mix]
     want = {"tv": tv(law, p), "kl": kl(law, p), "max_ratio": max_ratio(law, p),
             "tail_mass": tail_mass(law, p), "tv_baseline": tv(law, base)}
     for name, ref in want.items():

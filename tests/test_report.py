@@ -255,27 +255,31 @@ def test_speedup_pairs_rows_timed_in_the_same_run():
 
 
 def test_load_notes_flag_chunks_far_below_their_configurations_median():
-    """A chunk (a configuration's consecutive rows in one run) at under half its configuration's median
-    throughput is named: on a shared CPU the speedup column takes it at face value."""
+    """A chunk (a work unit's rows of one configuration: run, batch and chunk size, batch_seconds) at
+    under half its configuration's median throughput is named: on a shared CPU the speedup column takes
+    it at face value."""
     from verispec.evaluation.report import load_notes
 
-    def chunk(config: str, first: int, batch_seconds: float, run: str = "r1") -> list[dict]:
-        return [{"config": config, "prompt_id": f"P/{p}", "seed": 0, "tokens": 10, "seconds": 99.0,
-                 "batch_size": 2, "chunk_size": 2, "batch_seconds": batch_seconds, "run": run}
-                for p in (first, first + 1)]  # 20 tokens over batch_seconds: 20 / batch_seconds tokens/s
+    def chunk(config: str, first: int, batch_seconds: float, run: str = "r1", batch_size: int = 2) -> list:
+        return [{"config": config, "prompt_id": f"P/{p}", "prompt_index": p, "seed": 0, "tokens": 10,
+                 "seconds": 99.0, "batch_size": batch_size, "chunk_size": 2, "batch_seconds": batch_seconds,
+                 "run": run} for p in (first, first + 1)]  # 20 tokens in batch_seconds
 
     rows = []
-    for i in range(5):
-        rows += chunk("plain T=1", 2 * i, 2.0) + chunk("lossless k=4 T=1", 2 * i, 5.0 if i == 3 else 1.9)
+    for i in range(5):  # batch_seconds differ by a hair between units, as wall times do
+        rows += chunk("plain T=1", 2 * i, 2.0 + i / 1e3)
+        rows += chunk("lossless k=4 T=1", 2 * i, 5.0 if i == 3 else 1.9 + i / 1e3)
     (note,) = load_notes(rows)
-    assert note.startswith("speed: 1 of 10 chunks") and "lossless k=4 T=1 P/6..P/7 at 4 tokens/s" in note
-    assert "(0.38x)" in note  # 4 against the median 20 / 1.9 = 10.5
-    steady = [r for r in rows if r["config"] == "plain T=1"]
-    assert load_notes(steady) == []
+    assert note.startswith("speed: 1 of 10 chunks")
+    assert "lossless k=4 T=1 (2 rows, P/6 seed 0 to P/7 seed 0) at 4 tokens/s" in note
+    assert "(0.38x)" in note  # 4 against the median 20 / 1.902 = 10.5
+    assert load_notes([r for r in rows if r["config"] == "plain T=1"]) == []
     assert load_notes(rows[:12]) == []  # three chunks of each: too few for a median
-    copied = [{**r, "reused_from": "elsewhere"} if r["batch_seconds"] == 5.0 else r for r in rows]
-    assert load_notes(copied) == []  # a copied row was timed in another sweep
-    # consecutive rows of one configuration are one chunk per run: 4 chunks here, the last one slow
-    runs = [chunk("plain T=1", 2 * i, 9.0 if i == 3 else 2.0, run=f"r{i % 2}") for i in range(4)]
-    assert "1 of 4 chunks" in load_notes(sum(runs, []))[0]
-    assert load_notes(sum(runs[:3], []) + [{**r, "run": "r0"} for r in runs[3]]) == []  # merged: 3
+    assert load_notes([{**r, "reused_from": "x"} if r["batch_seconds"] == 5.0 else r for r in rows]) == []
+    assert load_notes([{k: v for k, v in r.items() if k != "batch_seconds"} for r in rows]) == []  # old rows
+    # a unit is found by its batch_seconds wherever its rows lie in the file (Ray returns them in any order)
+    assert load_notes(rows[::-1]) == [note]
+    # chunks at another batch size are compared among themselves (pooled with the batch-2 chunks, these
+    # 3 tokens/s chunks would pull the median to 4 and hide the slow one)
+    batch8 = [r for i in range(4) for r in chunk("lossless k=4 T=1", 20 + 2 * i, 6.6 + i / 1e3, batch_size=8)]
+    assert load_notes(rows + batch8) == [note.replace("1 of 10", "1 of 14")]

@@ -62,17 +62,18 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
 def _shift_distances(law: Tensor, p: Tensor, base: Tensor | None) -> dict:
     """tv, kl, max_ratio, tail_mass of law [n, V] against p [n, V] (float64 rows), and tv_baseline
     against base [n, V] (None: NaN), with the definitions of `verispec.probability` (docs/design.md,
-    'Diagnostics'). Rows where p > 0 everywhere (the usual case) take one ratio `law / p` shared by KL
-    (xlogy(law, law / p), one log instead of two) and the overshoot: about a third of the full-vocabulary
-    passes of the separate functions, equal to them within float64 rounding (tests). Rows with a zero in
-    p (a truncated target, an underflowed softmax) go through the separate functions, whose +inf cases
-    live there."""
+    'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes from float32 rows) take one
+    ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two) and the overshoot: 0.38x
+    the separate functions' time at Qwen's vocabulary (benchmarks/diagnostics_cost.py), equal to them
+    within float64 rounding (tests). Other rows (a zero in p: a truncated target, an underflowed
+    softmax) go through the separate functions, which clamp p at 1e-300 and hold the +inf cases. law is
+    a law (finite, >= 0), as position_stats builds it."""
     n = p.shape[0]
     out = {"tv": (law - p).abs_().sum(-1) / 2,
            "tv_baseline": (law - base).abs_().sum(-1) / 2 if base is not None
            else torch.full((n,), torch.nan, dtype=torch.float64),
            "tail_mass": torch.where(p < TAIL, law, 0.0).sum(-1)}
-    dense = p.amin(-1) > 0  # [n]
+    dense = p.amin(-1) >= 1e-300  # [n]; the separate functions' clamp, so law / p <= 1e300 stays finite
     out["kl"], out["max_ratio"] = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
     if dense.any():
         law_d, p_d = (law, p) if dense.all() else (law[dense], p[dense])

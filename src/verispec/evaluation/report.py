@@ -703,43 +703,45 @@ SLOW_CHUNK = 0.5  # a chunk below this fraction of its configuration's median ch
 
 
 def load_notes(rows: list[dict]) -> list[str]:
-    """A note on chunks that ran far slower than their configuration's other chunks: consecutive rows of
-    one configuration in one run (a sweep writes a chunk's rows together), whose throughput (tokens over
-    `row_seconds`) is below SLOW_CHUNK x the median chunk's. On a shared machine that is usually another
-    job on the CPU; the speedup column pairs rows within a run, so it takes such a chunk at face value.
-    Needs at least 4 chunks of a configuration (a median to compare with)."""
-    chunks: list[tuple[str, list[dict]]] = []
+    """A note on chunks that ran far slower than their configuration's other chunks. A chunk is one work
+    unit's rows of one configuration: the same run, batch size, chunk size and `batch_seconds` (the
+    unit's wall time, which its rows share); rows without `batch_seconds` (written before chunks) and
+    copied rows are left out. Its throughput (tokens over `row_seconds`) is compared with the median of
+    its configuration's chunks at the same batch and chunk size (at least 4 of them); under SLOW_CHUNK x
+    that median it is named. On a shared machine that is usually another job; the speedup column pairs
+    rows within a run, so it takes such a chunk at face value."""
+    chunks: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
-        if "reused_from" in row or row_seconds(row) <= 0:
-            continue
-        if chunks and chunks[-1][0] == row["config"] and chunks[-1][1][-1].get("run") == row.get("run"):
-            chunks[-1][1].append(row)
-        else:
-            chunks.append((row["config"], [row]))
-    by_config: dict[str, list[tuple[float, list[dict]]]] = defaultdict(list)
-    for config, group in chunks:
+        if "reused_from" not in row and "batch_seconds" in row and row_seconds(row) > 0:
+            chunks[(row["config"], _batch_size(row), _chunk_size(row), row.get("run"),
+                    row["batch_seconds"])].append(row)
+    by_setting: dict[tuple, list[tuple[float, list[dict]]]] = defaultdict(list)
+    for key, group in chunks.items():
         rate = sum(r["tokens"] for r in group) / sum(row_seconds(r) for r in group)  # tokens/s
-        by_config[config].append((rate, group))
-    slow, total, worst = [], 0, None
-    for config, found in by_config.items():
+        by_setting[key[:3]].append((rate, group))
+    slow, total, worst = 0, 0, None
+    for found in by_setting.values():
         if len(found) < 4:
             continue
         total += len(found)
         typical = median(rate for rate, _ in found)
         for rate, group in found:
             if rate < SLOW_CHUNK * typical:
-                slow.append(group)
+                slow += 1
                 if worst is None or rate / typical < worst[0]:
-                    worst = (rate / typical, config, group, rate, typical)
+                    worst = (rate / typical, group, rate, typical)
     if not slow:
         return []
-    share, config, group, rate, typical = worst
-    return [f"speed: {len(slow)} of {total} chunks (a configuration's consecutive rows in one run) ran "
-            f"below {SLOW_CHUNK:g}x their configuration's median throughput, the slowest {config} "
-            f"{group[0]['prompt_id']}..{group[-1]['prompt_id']} at {rate:.3g} tokens/s against "
-            f"{typical:.3g} ({share:.2f}x): likely another job on the CPU; the speedup column counts "
-            "them as decoded, so it measures the machine's load as well as the rule (time speed on a "
-            "quiet machine: benchmarks/)"]
+    share, group, rate, typical = worst
+    units = sorted((r.get("prompt_index", 0), r["prompt_id"], r["seed"]) for r in group)
+    return [f"speed: {slow} of {total} chunks (a work unit's rows of one configuration) ran below "
+            f"{SLOW_CHUNK:g}x their configuration's median throughput, the slowest {group[0]['config']} "
+            f"({len(group)} rows, {units[0][1]} seed {units[0][2]} to {units[-1][1]} seed {units[-1][2]}) "
+            f"at {rate:.3g} tokens/s against {typical:.3g} ({share:.2f}x): usually another job on the "
+            "machine (a chunk of very uneven reply lengths can also run slow); the speedup column counts "
+            "them as decoded, so on a shared machine it measures the load as well as the rule (time speed "
+            "on a quiet machine: benchmarks/)"]
+
 
 def score_notes(rows: list[dict]) -> list[str]:
     """A note counting and naming the rows whose score is not a finite number (NaN, inf, null, a string):
