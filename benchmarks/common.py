@@ -55,6 +55,18 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def interleaved_times(cases: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds of each case's call over `reps` rounds, every case once per round (after one warm-up call
+    each), so that a change in the machine's load touches all cases alike."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()  # warm up
+    for _ in range(reps):
+        for name, fn in cases.items():
+            times[name].append(timed(fn)[0])
+    return times
+
+
 def spread(values: list[float]) -> dict:
     values = sorted(values)
     return {"min": values[0], "median": statistics.median(values), "max": values[-1], "n": len(values)}

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from common import environment, print_table, spread, timed, write_json
+from common import environment, interleaved_times, print_table, spread, write_json
 
 from verispec.diagnostics import shift
 from verispec.probability import kl, max_ratio, renormalised_f64, tail_mass, tv
@@ -27,8 +27,9 @@ RULES = ["lossless", "speccascade:min_p=0.1", "honest:speccascade:min_p=0.1", "l
          "budget:tv=0.05"]
 
 
-def separate(law: torch.Tensor, p: torch.Tensor, base: torch.Tensor) -> list[torch.Tensor]:
-    return [tv(law, p), kl(law, p), tv(law, base), max_ratio(law, p), tail_mass(law, p, shift.TAIL)]
+def separate(law: torch.Tensor, p: torch.Tensor, base: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"tv": tv(law, p), "kl": kl(law, p), "tv_baseline": tv(law, base), "max_ratio": max_ratio(law, p),
+            "tail_mass": tail_mass(law, p, shift.TAIL)}
 
 
 def main() -> None:
@@ -52,14 +53,8 @@ def main() -> None:
     cases["distances, separate functions"] = lambda: separate(law, p, base)
     cases["distances, fused"] = lambda: shift._shift_distances(law, p, base)
     fused, ref = shift._shift_distances(law, p, base), separate(law, p, base)
-    worst = max((a - b).abs().max().item() for a, b in zip(
-        [fused[k] for k in ("tv", "kl", "tv_baseline", "max_ratio", "tail_mass")], ref))
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():
-        fn()  # warm up
-    for _ in range(args.reps):  # interleaved: every case once per round
-        for name, fn in cases.items():
-            times[name].append(timed(fn)[0])
+    worst = max((fused[name] - ref[name]).abs().max().item() for name in ref)
+    times = interleaved_times(cases, args.reps)
     base_s = sorted(times["position_stats lossless"])[args.reps // 2]
     env = environment()
     out = {"environment": env, "shape": args.shape, "lossless_ms": base_s * 1e3,

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from common import environment, print_table, spread, timed, write_json
+from common import environment, interleaved_times, print_table, spread, write_json
 
 from verispec.rules import parse
 
@@ -46,12 +46,7 @@ def main() -> None:
         cases[f"{spec} | verify (loop)"] = lambda r=rule: r.verify_with_uniforms(
             p, q, x, uniforms, validate=False)
         cases[f"{spec} | verify (API)"] = lambda r=rule: r.verify_with_uniforms(p, q, x, uniforms)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():
-        fn()  # warm up
-    for _ in range(args.reps):  # interleaved: every case once per round
-        for name, fn in cases.items():
-            times[name].append(timed(fn)[0])
+    times = interleaved_times(cases, args.reps)
     base = sorted(times["baseline minimum(p,q).sum(-1)"])[args.reps // 2]
     rows, out = [], {"environment": environment(), "shape": args.shape, "baseline_ms": base * 1e3,
                      "cases": {}}

@@ -698,7 +698,6 @@ def speedup_notes(summary: list[dict]) -> list[str]:
     return notes
 
 
-
 SLOW_CHUNK = 0.5  # a chunk below this fraction of its configuration's median chunk throughput is flagged
 
 
@@ -719,22 +718,19 @@ def load_notes(rows: list[dict]) -> list[str]:
     for key, group in chunks.items():
         rate = sum(r["tokens"] for r in group) / sum(row_seconds(r) for r in group)  # tokens/s
         by_setting[key[:3]].append((rate, group))
-    slow, total, worst = 0, 0, None
+    slow, total = [], 0  # slow: (share of the median, tokens/s, median tokens/s, rows) per slow chunk
     for found in by_setting.values():
         if len(found) < 4:
             continue
         total += len(found)
         typical = median(rate for rate, _ in found)
-        for rate, group in found:
-            if rate < SLOW_CHUNK * typical:
-                slow += 1
-                if worst is None or rate / typical < worst[0]:
-                    worst = (rate / typical, group, rate, typical)
+        slow += [(rate / typical, rate, typical, group) for rate, group in found
+                 if rate < SLOW_CHUNK * typical]
     if not slow:
         return []
-    share, group, rate, typical = worst
+    share, rate, typical, group = min(slow, key=lambda s: s[0])
     units = sorted((r.get("prompt_index", 0), r["prompt_id"], r["seed"]) for r in group)
-    return [f"speed: {slow} of {total} chunks (a work unit's rows of one configuration) ran below "
+    return [f"speed: {len(slow)} of {total} chunks (a work unit's rows of one configuration) ran below "
             f"{SLOW_CHUNK:g}x their configuration's median throughput, the slowest {group[0]['config']} "
             f"({len(group)} rows, {units[0][1]} seed {units[0][2]} to {units[-1][1]} seed {units[-1][2]}) "
             f"at {rate:.3g} tokens/s against {typical:.3g} ({share:.2f}x): usually another job on the "
