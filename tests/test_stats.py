@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verispec.evaluation import comparisons, stats
+from verispec.evaluation import comparisons, scorers, stats
 
 CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
@@ -333,3 +333,50 @@ def test_looks_taken_divides_thresholds_and_multiplies_holm_p(core_rows):
         comparisons.comparisons_table(core_rows, declared, "obf:3", 164, looks_taken=2)
     with pytest.raises(ValueError, match="positive integer"):
         comparisons.comparisons_table(core_rows, declared, looks_taken=0)
+
+
+def _loglik_row(rule: str, problem: str, seed: int, log_target: list[float], text: str) -> dict:
+    return {"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": problem,
+            "seed": seed, "score": sum(log_target) / len(log_target), "score_name": "target_loglik",
+            "steps": {"log_target_raw": log_target}, "tokens": len(log_target), "finish": "eos",
+            "metrics": {"repetition_4": scorers.repetition(text, 4), "distinct_2": scorers.distinct_n(text, 2)}}
+
+
+def test_loglik_controls_compare_at_equal_length_and_read_repetition():
+    """The log-likelihood controls, hand-computed: the planned score, the same score over the shared first
+    tokens (the shorter reply's length), and the repetition measures, each paired and clustered by problem.
+    A long reply whose late tokens are likely moves the planned score but not the same-length one."""
+    rows = []
+    for i, problem in enumerate(["a", "b", "c"]):
+        early = [-1.0 - 0.1 * i, -2.0]
+        rows.append(_loglik_row("plain", problem, 0, early, "one two three four five six"))
+        # lossless: the same first two tokens, then a likely tail (a loop of "x x x x")
+        rows.append(_loglik_row("lossless", problem, 0, early + [-0.1] * (4 + i), "x " * (8 + i)))
+    table = comparisons.loglik_controls_table(rows, ["lossless vs plain"])
+    [line] = [x for x in table.splitlines() if x.startswith("lossless k=4 T=1 - plain T=1")]
+    planned = [sum(r["steps"]["log_target_raw"]) / r["tokens"] for r in rows]
+    diffs = [planned[j + 1] - planned[j] for j in (0, 2, 4)]
+    assert f"{sum(diffs) / 3:+.3f} [" in line  # the planned score moves (the tail is likely) ...
+    assert "+0.000 [+0.000, +0.000]" in line  # ... the same-length score does not
+    repetition = [scorers.repetition("x " * (8 + i), 4) for i in range(3)]  # plain's text repeats nothing
+    distinct = [scorers.distinct_n("x " * (8 + i), 2) - 1.0 for i in range(3)]
+    assert f"{sum(repetition) / 3:+.3f} [" in line and f"{sum(distinct) / 3:+.3f} [" in line
+    assert "not in the corrected family" in table
+    # a sweep without a log-likelihood score prints no controls
+    assert comparisons.loglik_controls_table([{**r, "score_name": "pass_at_1"} for r in rows], []) == ""
+
+
+def test_loglik_controls_on_the_committed_mtbench_pilot():
+    """On real rows (the MT-Bench pilot: plain and lossless on 16 questions), the calibration pair is
+    always read; its same-length column equals a recomputation from the rows' per-token log-likelihoods."""
+    rows = [json.loads(x) for x in (CORE.parents[1] / "qwen-mtbench-pilot" / "results.jsonl").open()]
+    by = {(r["rule"], r["prompt_id"]): r["steps"]["log_target_raw"] for r in rows}
+    diffs = []
+    for problem in sorted({r["prompt_id"] for r in rows}):
+        a, b = by[("lossless", problem)], by[("plain", problem)]
+        m = min(len(a), len(b))
+        diffs.append(sum(a[:m]) / m - sum(b[:m]) / m)
+    table = comparisons.loglik_controls_table(rows, [])
+    [line] = [x for x in table.splitlines() if x.startswith("lossless k=4 T=1 - plain T=1")]
+    cells = line.split()
+    assert cells[cells.index("plain") + 2] == "16" and f"{sum(diffs) / len(diffs):+.3f} [" in line

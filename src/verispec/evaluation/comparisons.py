@@ -18,6 +18,7 @@ from typing import Callable
 
 from verispec.evaluation import stats
 from verispec.evaluation.graded import level_of
+from verispec.evaluation.suites import TARGET_LOGLIK
 from verispec.rules import parse
 from verispec.tables import text_table
 
@@ -379,6 +380,76 @@ def length_table(rows: list[dict], baseline_of) -> str:
     legend = (f"(protocol: {', '.join(protocols)}; cap-hit = finish 'length'; stopped itself = a stop token "
               "or the suite's stop condition; Δ: paired against the row's baseline (the report's), mean "
               "and 95% interval clustered by problem)")
+    return text_table(head, body) + "\n" + legend
+
+
+# ----------------------------------------------------------------- controls of a log-likelihood score
+
+
+def _loglik(row: dict) -> float:
+    return row.get("score") if row.get("score_name") == TARGET_LOGLIK else math.nan
+
+
+def _metric(name: str) -> Callable[[dict], float]:
+    return lambda row: (row.get("metrics") or {}).get(name, math.nan)
+
+
+def _shared_prefix(rows: list[dict], a: str, b: str) -> list[tuple[str, float, float]]:
+    """(problem, A's, B's mean raw-target log-likelihood per token over the first m tokens of both
+    replies), m the shorter reply's length, for every (problem, seed) both sides of `A vs B` have: the
+    score compared at equal length, so a side's longer or shorter replies cannot move it by where in a
+    reply its tokens fall."""
+    units = _units(rows)
+    out = []
+    for key_a, key_b in _matching(units, a, b):
+        for unit, row in units[key_a].items():
+            other = units[key_b].get(unit)
+            if other is None:
+                continue
+            la = (row.get("steps") or {}).get("log_target_raw") or []
+            lb = (other.get("steps") or {}).get("log_target_raw") or []
+            m = min(len(la), len(lb))
+            if m and all(math.isfinite(v) for v in la[:m] + lb[:m]):
+                out.append((unit[0], mean(la[:m]), mean(lb[:m])))
+    return out
+
+
+def loglik_controls_table(rows: list[dict], declared: list[str]) -> str:
+    """For a sweep scored by the target's log-likelihood per token (`TARGET_LOGLIK`: suites without a
+    task, such as MT-Bench), what else could move that score, per declared comparison (and the
+    calibration pair): the score itself as planned, the score over the replies' shared first tokens (equal
+    length), and two repetition measures of the text (a looping reply is likely under the target).
+    Each is A - B paired on (problem, seed), clustered by problem, with its 95% interval and uncorrected
+    p: secondary readings that qualify a planned one, never decisions of their own. Empty when no row
+    has that score."""
+    if not any(r.get("score_name") == TARGET_LOGLIK for r in rows):
+        return ""
+    pairs = [parse_comparison(text) for text in declared]
+    if ("lossless", PLAIN) not in pairs:
+        pairs.append(("lossless", PLAIN))
+    head = ["comparison (A - B)", "pairs", "loglik/token (planned)", "p", "same-length loglik/token", "p",
+            "repetition_4", "p", "distinct_2", "p"]
+    body = []
+    units = _units(rows)
+    for key_a, key_b in [keys for a, b in pairs for keys in _matching(units, a, b)]:
+        a, b = _config_name(key_a), _config_name(key_b)  # config ids: one configuration a side
+        estimates = [c.pooled for value in (_loglik, _metric("repetition_4"), _metric("distinct_2"))
+                     for c in compare(rows, a, b, value)]
+        estimates.insert(1, stats.clustered_paired(_shared_prefix(rows, a, b)))
+        cells = [f"{a} - {b}", str(estimates[0].units)]
+        for e in estimates:
+            cells += [_interval(e), _p(e.p_value)]
+        body.append(cells)
+    if not body:
+        return ""
+    legend = ("(secondary readings of the declared comparisons, not in the corrected family: A - B, "
+              "mean and 95% interval clustered by problem, uncorrected p; loglik/token: the planned score, "
+              "the target's mean log-likelihood per generated token (temperature 1, no truncation); "
+              "same-length: that mean over the first m tokens of both replies, m the shorter reply's "
+              "length; repetition_4: the share of word 4-grams that repeat an earlier one; distinct_2: "
+              "distinct word bigrams over bigrams. A score difference that shrinks at equal length, or "
+              "comes with more repetition, is carried by length or looping, not only by the tokens' "
+              "likelihood)")
     return text_table(head, body) + "\n" + legend
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from statistics import mean, median, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table, look_counts,
-                                             progress_table, tier_table)
+from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
+                                             loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import check_schema, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
@@ -895,6 +895,8 @@ def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1) -> 
     planned = planned_problems(settings) if sequential else None
     table = comparisons_table(rows, declared, sequential, planned, looks_taken)
     out += "\n\nplanned comparisons:\n" + table if table else ""
+    controls = loglik_controls_table(rows, declared)
+    out += "\n\nwhat else moves the log-likelihood score:\n" + controls if controls else ""
     levels = level_table(rows, baseline_of)
     out += "\n\nby difficulty level:\n" + levels if levels else ""
     tiers = tier_table(rows, baseline_of)
