@@ -73,6 +73,30 @@ def test_caches_follow_the_committed_sequence(pair):
         pos += block.emitted
 
 
+@pytest.mark.parametrize("rule", [None, "lossless", "cos:w=0.9", "speccascade:min_p=0.1"])
+def test_recorded_log_likelihood_is_a_cache_free_pass(pair, rule):
+    """The per-token log-likelihood a row's score is made of (steps 'log_target_raw': the raw target,
+    temperature 1, no truncation, whatever the sampling settings; the MT-Bench score is its mean) equals
+    a cache-free full forward pass on the final sequence, for plain decoding, lossless SD and lossy rules
+    whose tokens the target did not sample; 'log_target' is the same under the processed target."""
+    target, drafter = pair
+    sampling = SamplingConfig(temperature=0.7, min_p=0.05)
+    config = DecodeConfig(k=4, max_new_tokens=40, sampling=sampling, stop_at_eos=False)
+    ids = target.encode(PROMPTS[1])
+    gen = (autoregressive_decode(target, ids, config, torch.Generator().manual_seed(3)) if rule is None else
+           speculative_decode(target, drafter, ids, rule, config, torch.Generator().manual_seed(3)))
+    seq = list(gen.prompt_ids) + list(gen.token_ids)
+    n0, tokens = len(gen.prompt_ids), torch.tensor(gen.token_ids)
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([seq])).logits[0].float()[n0 - 1 : -1]  # [n, V]
+    raw = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
+    processed = torch.log(process(logits, sampling)[torch.arange(len(tokens)), tokens])
+    torch.testing.assert_close(torch.tensor(gen.steps["log_target_raw"]), raw, rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(gen.steps["log_target"]), processed, rtol=0, atol=1e-4)
+    assert gen.stats()["target_nll"] == pytest.approx(-raw.mean().item(), abs=1e-4)
+    assert (raw < processed - 0.1).any()  # temperature and min-p do change the processed law
+
+
 def test_realised_acceptance_matches_expected(pair):
     """Realised acceptance of a long lossless run vs sum(min(p, q)) recomputed without a cache."""
     target, drafter = pair
