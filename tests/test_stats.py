@@ -339,7 +339,8 @@ def _loglik_row(rule: str, problem: str, seed: int, log_target: list[float], tex
     return {"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": problem,
             "seed": seed, "score": sum(log_target) / len(log_target), "score_name": "target_loglik",
             "steps": {"log_target_raw": log_target}, "tokens": len(log_target), "finish": "eos",
-            "metrics": {"repetition_4": scorers.repetition(text, 4), "distinct_2": scorers.distinct_n(text, 2)}}
+            "metrics": {"repetition_4": scorers.repetition(text, 4),
+                        "distinct_2": scorers.distinct_n(text, 2)}}
 
 
 def test_loglik_controls_compare_at_equal_length_and_read_repetition():
