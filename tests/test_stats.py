@@ -335,49 +335,91 @@ def test_looks_taken_divides_thresholds_and_multiplies_holm_p(core_rows):
         comparisons.comparisons_table(core_rows, declared, looks_taken=0)
 
 
-def _loglik_row(rule: str, problem: str, seed: int, log_target: list[float], text: str) -> dict:
-    return {"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": problem,
-            "seed": seed, "score": sum(log_target) / len(log_target), "score_name": "target_loglik",
-            "steps": {"log_target_raw": log_target}, "tokens": len(log_target), "finish": "eos",
-            "metrics": {"repetition_4": scorers.repetition(text, 4),
-                        "distinct_2": scorers.distinct_n(text, 2)}}
+def _loglik_row(rule: str, problem: str, seed: int, log_target: list[float] | None, text: str,
+                finish: str = "eos", score: float | None = None) -> dict:
+    row = {"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": problem,
+           "seed": seed, "score": score if log_target is None else sum(log_target) / len(log_target),
+           "score_name": "target_loglik", "finish": "eos", "text": text,
+           "metrics": {"repetition_4": scorers.repetition(text, 4)}}
+    if log_target is not None:
+        row |= {"steps": {"log_target_raw": log_target}, "tokens": len(log_target), "finish": finish}
+    return row
+
+
+def _table_cells(table: str, label: str) -> list[str]:
+    """The cells of the row starting with `label`, cut at the columns of the dashed rule under the header."""
+    lines = table.splitlines()
+    widths = [len(dashes) for dashes in lines[1].split("  ")]
+    [line] = [x for x in lines[2:] if x.startswith(label)]
+    cells, at = [], 0
+    for w in widths:
+        cells.append(line[at : at + w].strip())
+        at += w + 2
+    return cells
+
+
+def _clustered(diffs: dict[str, list[float]]) -> tuple[float, float, float]:
+    """Hand-computed clustered estimate: per-problem mean differences, their mean and 95% t interval."""
+    means = [sum(v) / len(v) for v in diffs.values()]
+    n = len(means)
+    est = sum(means) / n
+    se = math.sqrt(sum((m - est) ** 2 for m in means) / (n - 1) / n)
+    half = stats.t_quantile(0.975, n - 1) * se
+    return est, est - half, est + half
 
 
 def test_loglik_controls_compare_at_equal_length_and_read_repetition():
-    """The log-likelihood controls, hand-computed: the planned score, the same score over the shared first
-    tokens (the shorter reply's length), and the repetition measures, each paired and clustered by problem.
-    A long reply whose late tokens are likely moves the planned score but not the same-length one."""
-    rows = []
+    """The log-likelihood controls, hand-computed on two seeds of three problems (clustered by problem,
+    2 df): the planned score, the score over the first m tokens (the shorter reply without its stop
+    token), and repetition_4 whole and over the first w words; a row without steps leaves the
+    same-length column only (n= says so), and a reply too short for a 4-gram the repetition columns."""
+    rows, planned, prefix, whole_rep, prefix_rep = [], {}, {}, {}, {}
+    plain_text = "one two three four five six"
     for i, problem in enumerate(["a", "b", "c"]):
-        early = [-1.0 - 0.1 * i, -2.0]
-        rows.append(_loglik_row("plain", problem, 0, early, "one two three four five six"))
-        # lossless: the same first two tokens, then a likely tail (a loop of "x x x x")
-        rows.append(_loglik_row("lossless", problem, 0, early + [-0.1] * (4 + i), "x " * (8 + i)))
+        for seed in (0, 1):
+            base = [-1.0 - 0.1 * i - 0.2 * seed, -2.0 + 0.3 * i, -0.001]  # two tokens, then its stop token
+            spec = [-1.5 + 0.05 * i * seed, -1.0 - 0.2 * i, -0.3, -0.2 * seed, -0.1, -0.002]
+            loop = "x " * (8 + i + seed)
+            rows.append(_loglik_row("plain", problem, seed, base, plain_text))
+            rows.append(_loglik_row("lossless", problem, seed, spec, loop))
+            planned.setdefault(problem, []).append(sum(spec) / 6 - sum(base) / 3)
+            prefix.setdefault(problem, []).append(sum(spec[:2]) / 2 - sum(base[:2]) / 2)
+            whole_rep.setdefault(problem, []).append(scorers.repetition(loop, 4))
+            prefix_rep.setdefault(problem, []).append(scorers.repetition("x " * 6, 4))
+    rows.append(_loglik_row("plain", "d", 0, None, "tiny", score=-1.0))  # no steps, too short for 4-grams
+    rows.append(_loglik_row("lossless", "d", 0, None, "x " * 9, score=-0.5))
+    planned["d"] = [0.5]
     table = comparisons.loglik_controls_table(rows, ["lossless vs plain"])
-    [line] = [x for x in table.splitlines() if x.startswith("lossless k=4 T=1 - plain T=1")]
-    planned = [sum(r["steps"]["log_target_raw"]) / r["tokens"] for r in rows]
-    diffs = [planned[j + 1] - planned[j] for j in (0, 2, 4)]
-    assert f"{sum(diffs) / 3:+.3f} [" in line  # the planned score moves (the tail is likely) ...
-    assert "+0.000 [+0.000, +0.000]" in line  # ... the same-length score does not
-    repetition = [scorers.repetition("x " * (8 + i), 4) for i in range(3)]  # plain's text repeats nothing
-    distinct = [scorers.distinct_n("x " * (8 + i), 2) - 1.0 for i in range(3)]
-    assert f"{sum(repetition) / 3:+.3f} [" in line and f"{sum(distinct) / 3:+.3f} [" in line
+    cells = _table_cells(table, "lossless k=4 T=1 - plain T=1")
+    assert cells[1] == "7" and "(calibration)" not in cells[0]  # declared: not the calibration row
+    for column, expected, suffix in ((2, planned, ""), (4, prefix, " (n=6)"), (6, whole_rep, " (n=6)"),
+                                     (8, prefix_rep, " (n=6)")):
+        est, low, high = _clustered(expected)
+        assert cells[column] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}]{suffix}", column
     assert "not in the corrected family" in table
+    # undeclared, the same pair is the calibration row, printed once even if declared twice over
+    assert "(calibration)" in _table_cells(comparisons.loglik_controls_table(rows, []), "lossless")[0]
+    twice = comparisons.loglik_controls_table(rows, ["lossless vs plain", "lossless k=4 T=1 vs plain T=1"])
+    assert sum(line.startswith("lossless") for line in twice.splitlines()) == 1
+    # a temperature `:g` rounds is still matched by its own rows
+    odd = [{**r, "temperature": 0.123456789} for r in rows]
+    assert _table_cells(comparisons.loglik_controls_table(odd, []), "lossless")[1] == "7"
     # a sweep without a log-likelihood score prints no controls
     assert comparisons.loglik_controls_table([{**r, "score_name": "pass_at_1"} for r in rows], []) == ""
 
 
 def test_loglik_controls_on_the_committed_mtbench_pilot():
-    """On real rows (the MT-Bench pilot: plain and lossless on 16 questions), the calibration pair is
-    always read; its same-length column equals a recomputation from the rows' per-token log-likelihoods."""
+    """On real rows (the MT-Bench pilot: plain and lossless on 16 questions, every reply ending on its
+    stop token), the calibration row's same-length column equals a recomputation from the rows'
+    per-token log-likelihoods, the stop tokens left out."""
     rows = [json.loads(x) for x in (CORE.parents[1] / "qwen-mtbench-pilot" / "results.jsonl").open()]
+    assert all(r["finish"] == "eos" for r in rows)
     by = {(r["rule"], r["prompt_id"]): r["steps"]["log_target_raw"] for r in rows}
-    diffs = []
+    diffs = {}
     for problem in sorted({r["prompt_id"] for r in rows}):
         a, b = by[("lossless", problem)], by[("plain", problem)]
-        m = min(len(a), len(b))
-        diffs.append(sum(a[:m]) / m - sum(b[:m]) / m)
-    table = comparisons.loglik_controls_table(rows, [])
-    [line] = [x for x in table.splitlines() if x.startswith("lossless k=4 T=1 - plain T=1")]
-    cells = line.split()
-    assert cells[cells.index("plain") + 2] == "16" and f"{sum(diffs) / len(diffs):+.3f} [" in line
+        m = min(len(a), len(b)) - 1
+        diffs[problem] = [sum(a[:m]) / m - sum(b[:m]) / m]
+    cells = _table_cells(comparisons.loglik_controls_table(rows, []), "lossless k=4 T=1 - plain T=1")
+    est, low, high = _clustered(diffs)
+    assert cells[1] == "16" and cells[4] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"

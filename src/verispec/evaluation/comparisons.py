@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Callable
 
-from verispec.evaluation import stats
+from verispec.evaluation import scorers, stats
 from verispec.evaluation.graded import level_of
 from verispec.evaluation.suites import TARGET_LOGLIK
 from verispec.rules import parse
@@ -386,70 +386,103 @@ def length_table(rows: list[dict], baseline_of) -> str:
 # ----------------------------------------------------------------- controls of a log-likelihood score
 
 
-def _loglik(row: dict) -> float:
+def _loglik(row: dict) -> float | None:
     return row.get("score") if row.get("score_name") == TARGET_LOGLIK else math.nan
 
 
-def _metric(name: str) -> Callable[[dict], float]:
-    return lambda row: (row.get("metrics") or {}).get(name, math.nan)
+def _body_length(row: dict) -> int:
+    """The reply's tokens before its own stop token (a reply that stopped by itself ends on one)."""
+    return len(row["steps"]["log_target_raw"]) - int(_stopped(row) == 1.0)
 
 
-def _shared_prefix(rows: list[dict], a: str, b: str) -> list[tuple[str, float, float]]:
-    """(problem, A's, B's mean raw-target log-likelihood per token over the first m tokens of both
-    replies), m the shorter reply's length, for every (problem, seed) both sides of `A vs B` have: the
-    score compared at equal length, so a side's longer or shorter replies cannot move it by where in a
-    reply its tokens fall."""
-    units = _units(rows)
+def _same_length(key_a: tuple, key_b: tuple, units: dict, value: Callable[[dict, dict], tuple | None]
+                 ) -> list[tuple[str, float, float]]:
+    """(problem, A's value, B's value) for every (problem, seed) both configurations have, where
+    `value(row A, row B)` gives a pair of finite numbers (None: the unit is left out)."""
     out = []
-    for key_a, key_b in _matching(units, a, b):
-        for unit, row in units[key_a].items():
-            other = units[key_b].get(unit)
-            if other is None:
-                continue
-            la = (row.get("steps") or {}).get("log_target_raw") or []
-            lb = (other.get("steps") or {}).get("log_target_raw") or []
-            m = min(len(la), len(lb))
-            if m and all(math.isfinite(v) for v in la[:m] + lb[:m]):
-                out.append((unit[0], mean(la[:m]), mean(lb[:m])))
+    for unit, row in units[key_a].items():
+        other = units[key_b].get(unit)
+        values = value(row, other) if other is not None else None
+        if values is not None and all(math.isfinite(v) for v in values):
+            out.append((unit[0], *values))
     return out
+
+
+def _prefix_loglik(row: dict, other: dict) -> tuple[float, float] | None:
+    """Both replies' mean raw-target log-likelihood per token over their first m tokens, m the shorter
+    reply's length without its stop token (so neither side's prefix holds its ending and the other's
+    does not): the score at equal length."""
+    if not all((r.get("steps") or {}).get("log_target_raw") for r in (row, other)):
+        return None
+    m = min(_body_length(row), _body_length(other))
+    if m < 1:
+        return None
+    return mean(row["steps"]["log_target_raw"][:m]), mean(other["steps"]["log_target_raw"][:m])
+
+
+def _prefix_repetition(row: dict, other: dict) -> tuple[float, float] | None:
+    """Both texts' repetition_4 over their first w words, w the shorter text's word count: repetition
+    at equal length (the share of repeated 4-grams grows with a text's length even when nothing loops)."""
+    a, b = str(row.get("text", "")).split(), str(other.get("text", "")).split()
+    w = min(len(a), len(b))
+    if w < 4:
+        return None
+    return scorers.repetition(" ".join(a[:w]), 4), scorers.repetition(" ".join(b[:w]), 4)
+
+
+def _whole(value: Callable[[dict], object]) -> Callable[[dict, dict], tuple | None]:
+    def both(row: dict, other: dict) -> tuple | None:
+        va, vb = value(row), value(other)
+        return (float(va), float(vb)) if all(isinstance(v, (int, float)) for v in (va, vb)) else None
+    return both
+
+
+def _repetition(row: dict) -> object:
+    return (row.get("metrics") or {}).get("repetition_4")
+
+
+CONTROLS = (("loglik/token (planned)", _whole(_loglik)), ("same-length loglik/token", _prefix_loglik),
+            ("repetition_4", _whole(_repetition)), ("same-length repetition_4", _prefix_repetition))
 
 
 def loglik_controls_table(rows: list[dict], declared: list[str]) -> str:
     """For a sweep scored by the target's log-likelihood per token (`TARGET_LOGLIK`: suites without a
     task, such as MT-Bench), what else could move that score, per declared comparison (and the
-    calibration pair): the score itself as planned, the score over the replies' shared first tokens (equal
-    length), and two repetition measures of the text (a looping reply is likely under the target).
-    Each is A - B paired on (problem, seed), clustered by problem, with its 95% interval and uncorrected
-    p: secondary readings that qualify a planned one, never decisions of their own. Empty when no row
-    has that score."""
+    calibration pair): the score as planned, the score at equal length (the replies' shared first tokens,
+    stop tokens left out), and the text's repetition of word 4-grams, whole and at equal length (a
+    looping reply is likely under the target). Each is A - B paired on (problem, seed), clustered by
+    problem, with its 95% interval and uncorrected p: secondary readings, never decisions. Empty when no
+    row has that score."""
     if not any(r.get("score_name") == TARGET_LOGLIK for r in rows):
         return ""
-    pairs = [parse_comparison(text) for text in declared]
-    if ("lossless", PLAIN) not in pairs:
-        pairs.append(("lossless", PLAIN))
-    head = ["comparison (A - B)", "pairs", "loglik/token (planned)", "p", "same-length loglik/token", "p",
-            "repetition_4", "p", "distinct_2", "p"]
-    body = []
     units = _units(rows)
-    for key_a, key_b in [keys for a, b in pairs for keys in _matching(units, a, b)]:
-        a, b = _config_name(key_a), _config_name(key_b)  # config ids: one configuration a side
-        estimates = [c.pooled for value in (_loglik, _metric("repetition_4"), _metric("distinct_2"))
-                     for c in compare(rows, a, b, value)]
-        estimates.insert(1, stats.clustered_paired(_shared_prefix(rows, a, b)))
-        cells = [f"{a} - {b}", str(estimates[0].units)]
+    declared_keys = [keys for text in declared for keys in _matching(units, *parse_comparison(text))]
+    calibration = [keys for keys in _matching(units, "lossless", PLAIN) if keys not in declared_keys]
+    head = ["comparison (A - B)", "pairs"] + [h for name, _ in CONTROLS for h in (name, "p")]
+    body = []
+    for key_a, key_b in dict.fromkeys(declared_keys + calibration):
+        estimates = [stats.clustered_paired(_same_length(key_a, key_b, units, value))
+                     for _, value in CONTROLS]
+        if not estimates[0].units:
+            continue
+        cells = [f"{_config_name(key_a)} - {_config_name(key_b)}"
+                 + (" (calibration)" if (key_a, key_b) in calibration else ""), str(estimates[0].units)]
         for e in estimates:
-            cells += [_interval(e), _p(e.p_value)]
+            fewer = f" (n={e.units})" if e.units != estimates[0].units else ""
+            cells += [_interval(e) + fewer, _p(e.p_value)]
         body.append(cells)
     if not body:
         return ""
-    legend = ("(secondary readings of the declared comparisons, not in the corrected family: A - B, "
-              "mean and 95% interval clustered by problem, uncorrected p; loglik/token: the planned score, "
-              "the target's mean log-likelihood per generated token (temperature 1, no truncation); "
-              "same-length: that mean over the first m tokens of both replies, m the shorter reply's "
-              "length; repetition_4: the share of word 4-grams that repeat an earlier one; distinct_2: "
-              "distinct word bigrams over bigrams. A score difference that shrinks at equal length, or "
-              "comes with more repetition, is carried by length or looping, not only by the tokens' "
-              "likelihood)")
+    legend = ("(secondary readings of the declared comparisons and the calibration pair, not in the "
+              "corrected family: A - B, mean and 95% interval clustered by problem, uncorrected p; "
+              "pairs: the planned score's pairs (a column with fewer says n=); loglik/token: the planned "
+              "score, the target's mean log-likelihood per generated token (temperature 1, no "
+              "truncation); same-length: that mean over the first m tokens of both replies, m the shorter "
+              "reply's length without its stop token; repetition_4: the share of word 4-grams that repeat "
+              "an earlier one, over the whole reply (it grows with length) and over both texts' first w "
+              "words, w the shorter text's word count. A score gap that shrinks at equal length, or comes "
+              "with more repetition at equal length, is consistent with length or looping carrying part "
+              "of it; a gap in the same direction at equal length is not explained by length)")
     return text_table(head, body) + "\n" + legend
 
 
