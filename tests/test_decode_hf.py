@@ -14,7 +14,7 @@ import torch
 from stats import chisquare_pvalue
 from verispec.api import generate
 from verispec.cli import main
-from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode
+from verispec.decode import DecodeConfig, autoregressive_decode, decode_prompts, speculative_decode
 from verispec.models import load_drafter, load_model
 from verispec.rules import names, parse
 from verispec.sampling import SamplingConfig, process
@@ -78,23 +78,33 @@ def test_recorded_log_likelihood_is_a_cache_free_pass(pair, rule):
     """The per-token log-likelihood a row's score is made of (steps 'log_target_raw': the raw target,
     temperature 1, no truncation, whatever the sampling settings; the MT-Bench score is its mean) equals
     a cache-free full forward pass on the final sequence, for plain decoding, lossless SD and lossy rules
-    whose tokens the target did not sample; 'log_target' is the same under the processed target."""
+    whose tokens the target did not sample; 'log_target' is the same under the processed target. Prompts
+    of different lengths decode in one batch as sweep rows do, each cut by a stop condition inside a
+    block (here the end of the second line), as a reply's stop is."""
     target, drafter = pair
+
+    def second_line_ends(tokens: list[int]) -> int | None:
+        ends = [i + 1 for i, t in enumerate(tokens) if "\n" in target.decode([t])]
+        return ends[1] if len(ends) > 1 else None
+
     sampling = SamplingConfig(temperature=0.7, min_p=0.05)
-    config = DecodeConfig(k=4, max_new_tokens=40, sampling=sampling, stop_at_eos=False)
-    ids = target.encode(PROMPTS[1])
-    gen = (autoregressive_decode(target, ids, config, torch.Generator().manual_seed(3)) if rule is None else
-           speculative_decode(target, drafter, ids, rule, config, torch.Generator().manual_seed(3)))
-    seq = list(gen.prompt_ids) + list(gen.token_ids)
-    n0, tokens = len(gen.prompt_ids), torch.tensor(gen.token_ids)
-    with torch.inference_mode():
-        logits = target.model(input_ids=torch.tensor([seq])).logits[0].float()[n0 - 1 : -1]  # [n, V]
-    raw = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
-    processed = torch.log(process(logits, sampling)[torch.arange(len(tokens)), tokens])
-    torch.testing.assert_close(torch.tensor(gen.steps["log_target_raw"]), raw, rtol=0, atol=1e-4)
-    torch.testing.assert_close(torch.tensor(gen.steps["log_target"]), processed, rtol=0, atol=1e-4)
-    assert gen.stats()["target_nll"] == pytest.approx(-raw.mean().item(), abs=1e-4)
-    assert (raw < processed - 0.1).any()  # temperature and min-p do change the processed law
+    config = DecodeConfig(k=4, max_new_tokens=48, sampling=sampling, stop_check=second_line_ends)
+    prompts = [target.encode(text) for text in PROMPTS]
+    generators = [torch.Generator().manual_seed(3 + i) for i in range(len(PROMPTS))]
+    gens = decode_prompts(target, prompts, generators, config, drafter if rule else None, rule)
+    assert sum(gen.finish == "stop" for gen in gens) >= 2  # cut by the stop condition
+    for gen in gens:
+        seq = list(gen.prompt_ids) + list(gen.token_ids)
+        n0, tokens = len(gen.prompt_ids), torch.tensor(gen.token_ids)
+        with torch.inference_mode():
+            logits = target.model(input_ids=torch.tensor([seq])).logits[0].float()[n0 - 1 : -1]  # [n, V]
+        raw = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
+        processed = torch.log(process(logits, sampling)[torch.arange(len(tokens)), tokens])
+        torch.testing.assert_close(torch.tensor(gen.steps["log_target_raw"]), raw, rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(gen.steps["log_target"]), processed, rtol=0, atol=1e-4)
+        assert gen.stats()["target_nll"] == pytest.approx(-raw.mean().item(), abs=1e-4)
+    assert any((torch.tensor(g.steps["log_target_raw"]) < torch.tensor(g.steps["log_target"]) - 0.1).any()
+               for g in gens)  # temperature and min-p do change the processed law
 
 
 def test_realised_acceptance_matches_expected(pair):
