@@ -20,21 +20,18 @@ import time
 from pathlib import Path
 
 import torch
+from common import FreshPass
 
-from verispec.api import as_dtype, encode_prompt, resolve_target
 from verispec.evaluation.comparisons import compare, parse_comparison
-from verispec.evaluation.store import read_rows
-from verispec.evaluation.suites import TARGET_LOGLIK, load_suite
+from verispec.evaluation.suites import TARGET_LOGLIK
+from verispec.evaluation.units import backend_of
 
 
-def teacher_forced_loglik(target, prompt_ids: list[int], token_ids: list[int]) -> float:
-    """The reply's mean log-likelihood per token under the raw target (temperature 1, no truncation),
-    from one cache-free pass over prompt + reply."""
-    session = target.session()  # a fresh session: an empty cache
-    seq = torch.tensor([list(prompt_ids) + list(token_ids)])  # [1, L]
-    with torch.inference_mode():
-        logits = session.logits_for(seq, len(token_ids) + 1)[0, :-1].float()  # [n, V]: predicts the reply
-    log_probs = torch.log_softmax(logits, dim=-1)[torch.arange(len(token_ids)), torch.tensor(token_ids)]
+def teacher_forced_loglik(fresh: FreshPass, row: dict) -> float:
+    """The row's reply's mean log-likelihood per token under the raw target (temperature 1, no
+    truncation), from one cache-free pass over prompt + reply (`FreshPass.logits`)."""
+    reply = torch.tensor(row["token_ids"])  # [n]
+    log_probs = fresh.logits(row).log_softmax(-1).gather(-1, reply[:, None])[:, 0]  # [n]
     return log_probs.mean().item()
 
 
@@ -46,33 +43,35 @@ def main() -> None:
                         help="re-score the questions whose index is a multiple of N, every configuration "
                              "on them (so each comparison stays paired); 1: all rows")
     args = parser.parse_args()
+    if args.every < 1:
+        parser.error(f"--every must be a positive integer, got {args.every}")
     settings = json.loads((Path(args.sweep) / "sweep.json").read_text())
-    rows = [r for r in read_rows(f"{args.sweep}/results.jsonl")
-            if r.get("score_name") == TARGET_LOGLIK and r["prompt_index"] % args.every == 0]
+    fresh = FreshPass(args.sweep)
+    if backend_of(fresh.target) != settings.get("backend"):
+        raise SystemExit(f"the target loaded on the {backend_of(fresh.target)} backend, the sweep ran on "
+                         f"{settings.get('backend')}: set VERISPEC_BACKEND to match")
+    rows = [r for r in fresh.rows if r.get("score_name") == TARGET_LOGLIK
+            and isinstance(r.get("score"), float) and r["token_ids"] and r["prompt_index"] % args.every == 0]
     if not rows:
         raise SystemExit(f"{args.sweep}: no rows scored by {TARGET_LOGLIK} to re-score")
-    suite = load_suite(settings["suite"])
-    target = resolve_target(settings["target"], settings["device"], as_dtype(settings["dtype"]))
-    prompts = {item.id: encode_prompt(target, item.prompt, suite.chat) for item in suite.items}
-    began, again = time.perf_counter(), {}
-    for row in rows:
-        again[row["unit"]] = teacher_forced_loglik(target, prompts[row["prompt_id"]], row["token_ids"])
+    began = time.perf_counter()
+    again = {r["unit"]: teacher_forced_loglik(fresh, r) for r in rows}
     seconds = time.perf_counter() - began
+    bad = [r["unit"] for r in rows if not math.isfinite(again[r["unit"]])]
+    if bad:
+        raise SystemExit(f"{len(bad)} rows re-scored to a non-finite value: {bad[:5]}")
     diffs = [abs(again[r["unit"]] - r["score"]) for r in rows]
-    print(f"re-scored {len(rows)} rows ({len({r['prompt_id'] for r in rows})} questions, every "
-          f"{args.every}) in {seconds:.0f} s: |row score - re-scored| max {max(diffs):.2g}, "
+    print(f"re-scored {len(rows)} rows ({len({r['prompt_id'] for r in rows})} questions, index a multiple "
+          f"of {args.every}) in {seconds:.0f} s: |row score - re-scored| max {max(diffs):.2g}, "
           f"mean {sum(diffs) / len(diffs):.2g}")
     rescored = [dict(r, score=again[r["unit"]]) for r in rows]
     for text in settings.get("compare") or []:
         a, b = parse_comparison(text)
         for before, after in zip(compare(rows, a, b), compare(rescored, a, b)):
             e, f = before.pooled, after.pooled
-            print(f"  {before.config_a} - {before.config_b} ({e.clusters} questions): rows {e.estimate:+.4f} "
-                  f"[{e.low:+.4f}, {e.high:+.4f}] p {e.p_value:.3g}; re-scored {f.estimate:+.4f} "
-                  f"[{f.low:+.4f}, {f.high:+.4f}] p {f.p_value:.3g}")
-    bad = [r["unit"] for r in rows if not math.isfinite(again[r["unit"]])]
-    if bad:
-        print(f"  {len(bad)} rows re-scored to a non-finite value: {bad[:5]}")
+            print(f"  {before.config_a} - {before.config_b}: rows ({e.clusters} questions) {e.estimate:+.4f} "
+                  f"[{e.low:+.4f}, {e.high:+.4f}] p {e.p_value:.3g}; re-scored ({f.clusters} questions) "
+                  f"{f.estimate:+.4f} [{f.low:+.4f}, {f.high:+.4f}] p {f.p_value:.3g}")
 
 
 if __name__ == "__main__":
