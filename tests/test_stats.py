@@ -423,3 +423,18 @@ def test_loglik_controls_on_the_committed_mtbench_pilot():
     cells = _table_cells(comparisons.loglik_controls_table(rows, []), "lossless k=4 T=1 - plain T=1")
     est, low, high = _clustered(diffs)
     assert cells[1] == "16" and cells[4] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def test_tree_rows_stay_out_of_the_outcome_tables(core_rows):
+    """Tree rows share (rule, k, temperature) with their rule's chain rows, which key the outcome tables:
+    a tree lossless configuration whose scores all differ must not change the chain comparisons, and the
+    report says the tree rows were left out."""
+    from verispec.evaluation.report import outcome_sections
+
+    settings = {"compare": ["lossless vs plain"]}
+    trees = [{**r, "tree": "tree:widths=2,1", "score": 1 - r["score"], "finish": "eos"}
+             for r in core_rows if r["rule"] == "lossless"]
+    alone, mixed = outcome_sections(core_rows, settings), outcome_sections(core_rows + trees, settings)
+    rows, note = comparisons.chain_rows(core_rows + trees)
+    assert rows == core_rows and f"{len(trees)} tree row(s) left out" in note
+    assert mixed != alone and mixed.replace(f"\nnote: {note}", "") == alone

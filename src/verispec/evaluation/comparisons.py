@@ -89,6 +89,17 @@ def _units(rows: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+def chain_rows(rows: list[dict]) -> tuple[list[dict], str]:
+    """The rows the outcome and comparison tables read, and a note when any were left out: plain and
+    chain rows. A configuration is keyed here by (rule, k, temperature), which a tree configuration
+    (`--tree`) shares with the chain configuration of its rule; read together, one would overwrite the
+    other's rows unseen, so tree rows are left to the main table, which keys them by their shape."""
+    chains = [r for r in rows if not r.get("tree")]
+    left = len(rows) - len(chains)
+    return chains, (f"the outcome and comparison tables read plain and chain rows only: {left} tree "
+                    "row(s) left out (their speed and fidelity are in the main table)" if left else "")
+
+
 def _covers(key: tuple, side: tuple) -> bool:
     rule, k, t = side
     return key[0] == rule and (k is None or key[1] == k) and (t is None or key[2] == t)
