@@ -1,4 +1,4 @@
-"""Held-out re-scoring of a sweep scored by the target's log-likelihood per token (MT-Bench), for
+r"""Held-out re-scoring of a sweep scored by the target's log-likelihood per token (MT-Bench), for
 benchmarks/RESULTS.md: each chosen row's reply is scored again by one cache-free forward pass of the
 target over prompt + reply (teacher forcing), not by the decode loop that wrote the row, and the two are
 compared per row and through the declared comparisons.
@@ -8,7 +8,17 @@ whole sequence at once, so in bfloat16 the two round differently: the script pri
 difference (max and mean absolute) and each declared comparison's pooled estimate and p on the
 rows' scores and on the re-scored ones, so what rounding does to a published figure is on the page.
 
+The same pass gives a check of when replies end. At each position t of a reply the target gives the
+probability of a stop token, P_t; a sampler of the target's own law (plain sampling at T = 1 without
+truncation, and lossless SD) emits a stop with exactly that probability, so the stops a reply emits
+minus the sum of its P_t has mean 0 (a martingale stopped at the reply's end, optional stopping). The
+script prints that residual per configuration with its 95% interval: for plain and lossless rows it is 0
+up to chance, and a rule that ends replies too late (or too early) reads below (above) 0. For lossy
+rules it need not be 0.
+
     python benchmarks/rescore_loglik.py benchmarks/sweeps/qwen-mtbench --every 3
+    python benchmarks/rescore_loglik.py benchmarks/sweeps/qwen-mtbench --every 2 \
+        --configs "plain T=1" "lossless k=4 T=1"
 """
 
 from __future__ import annotations
@@ -22,23 +32,42 @@ from pathlib import Path
 import torch
 from common import FreshPass
 
+from verispec.decode import stop_ids
+from verispec.evaluation import stats
 from verispec.evaluation.comparisons import compare, parse_comparison
 from verispec.evaluation.suites import TARGET_LOGLIK
 from verispec.evaluation.units import backend_of
 
 
-def teacher_forced_loglik(fresh: FreshPass, row: dict) -> float:
-    """The row's reply's mean log-likelihood per token under the raw target (temperature 1, no
-    truncation), from one cache-free pass over prompt + reply (`FreshPass.logits`)."""
+def teacher_forced(fresh: FreshPass, row: dict, stops: list[int]) -> tuple[float, float]:
+    """From one cache-free pass over prompt + reply (`FreshPass.logits`), under the raw target
+    (temperature 1, no truncation): the reply's mean log-likelihood per token, and its stop residual,
+    the stop tokens it emitted minus the sum over its positions of the probability of a stop token."""
     reply = torch.tensor(row["token_ids"])  # [n]
-    log_probs = fresh.logits(row).log_softmax(-1).gather(-1, reply[:, None])[:, 0]  # [n]
-    return log_probs.mean().item()
+    log_probs = fresh.logits(row).log_softmax(-1)  # [n, V]
+    emitted = log_probs.gather(-1, reply[:, None])[:, 0]  # [n]
+    stop_mass = log_probs[:, stops].exp().sum().item()  # sum over positions of P(a stop token)
+    return emitted.mean().item(), sum(t in stops for t in row["token_ids"]) - stop_mass
+
+
+def residual_line(config: str, values: list[float]) -> str:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return f"  {config}: {n} row, stop residual {mean:+.3f}"
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    half = stats.t_quantile(0.975, n - 1) * se
+    p = stats.t_two_sided_p(mean / se, n - 1) if se > 0 else math.nan
+    return (f"  {config}: {n} rows, stop residual {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] "
+            f"p {p:.3g}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a sweep's --out directory (score: target_loglik)")
+    parser.add_argument("--configs", nargs="+", metavar="CONFIG",
+                        help="only these configurations (ids as the rows name them, e.g. 'plain T=1')")
     parser.add_argument("--every", type=int, default=1,
                         help="re-score the questions whose index is a multiple of N, every configuration "
                              "on them (so each comparison stays paired); 1: all rows")
@@ -51,12 +80,15 @@ def main() -> None:
         raise SystemExit(f"the target loaded on the {backend_of(fresh.target)} backend, the sweep ran on "
                          f"{settings.get('backend')}: set VERISPEC_BACKEND to match")
     rows = [r for r in fresh.rows if r.get("score_name") == TARGET_LOGLIK
-            and isinstance(r.get("score"), float) and r["token_ids"] and r["prompt_index"] % args.every == 0]
+            and isinstance(r.get("score"), float) and r["token_ids"] and r["prompt_index"] % args.every == 0
+            and (not args.configs or r["config"] in args.configs)]
     if not rows:
         raise SystemExit(f"{args.sweep}: no rows scored by {TARGET_LOGLIK} to re-score")
+    stops = sorted(stop_ids(fresh.target))
     began = time.perf_counter()
-    again = {r["unit"]: teacher_forced_loglik(fresh, r) for r in rows}
+    passes = {r["unit"]: teacher_forced(fresh, r, stops) for r in rows}
     seconds = time.perf_counter() - began
+    again = {unit: loglik for unit, (loglik, _) in passes.items()}
     bad = [r["unit"] for r in rows if not math.isfinite(again[r["unit"]])]
     if bad:
         raise SystemExit(f"{len(bad)} rows re-scored to a non-finite value: {bad[:5]}")
@@ -72,6 +104,10 @@ def main() -> None:
             print(f"  {before.config_a} - {before.config_b}: rows ({e.clusters} questions) {e.estimate:+.4f} "
                   f"[{e.low:+.4f}, {e.high:+.4f}] p {e.p_value:.3g}; re-scored ({f.clusters} questions) "
                   f"{f.estimate:+.4f} [{f.low:+.4f}, {f.high:+.4f}] p {f.p_value:.3g}")
+    print(f"stop residual (stop tokens emitted - sum of P(stop) over the reply's positions, stop ids "
+          f"{stops}; mean 0 for samplers of the target's law: plain and lossless at T = 1, no truncation):")
+    for config in dict.fromkeys(r["config"] for r in rows):
+        print(residual_line(config, [passes[r["unit"]][1] for r in rows if r["config"] == config]))
 
 
 if __name__ == "__main__":
