@@ -165,7 +165,7 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
 @pytest.mark.parametrize("prefix", ["graded", "graded-steps"])
 def test_level_table_on_constructed_rows(prefix):
     """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
-    level; the same for either graded suite's ids."""
+    level, and plain's own score falls by 1/2 a level; the same for either graded suite's ids."""
     from verispec.evaluation.report import baseline_of
 
     gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
@@ -178,11 +178,17 @@ def test_level_table_on_constructed_rows(prefix):
                      row(gate, f"{prefix}-L2-{n:02d}", float(n % 2), seed),
                      row(honest, f"{prefix}-L2-{n:02d}", 1.0, seed),
                      row("plain", f"{prefix}-L1-{n:02d}", 1.0, seed),
-                     row("plain", f"{prefix}-L2-{n:02d}", 0.5, seed)]
+                     row("plain", f"{prefix}-L2-{n:02d}", float(n % 2), seed)]
     table = comparisons.level_table(rows, baseline_of)
     gate_line = next(line for line in table.splitlines() if line.startswith("speccascade"))
     assert "+0.000 [+0.000, +0.000] n=6" in gate_line and "-0.500 [" in gate_line
     slope = gate_line.split()[-5:]  # the trend column: estimate [low, high] p value
     assert slope[0] == "-0.500" and slope[-2] == "p", gate_line
-    assert "0.500" in next(line for line in table.splitlines() if line.startswith("plain score"))
+    plain_line = next(line for line in table.splitlines() if line.startswith("plain score"))
+    # plain: 1.0 at level 1, 0.5 at level 2 (every other problem): mean and slope -1/2 per level, an
+    # interval that excludes 0 (problems are the clusters; the two seeds agree)
+    assert "1.000" in plain_line and "0.500" in plain_line, plain_line
+    plain_slope = plain_line.split()[-5:]
+    assert plain_slope[0] == "-0.500" and plain_slope[-2] == "p", plain_line
+    assert float(plain_slope[2].rstrip("]")) < 0, plain_line
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""

@@ -545,7 +545,8 @@ def level_table(rows: list[dict], baseline_of) -> str:
     `verispec.evaluation.graded`): per level, each truncation rule's score minus its honest truncation
     sampler's (`baseline_of` names it), with its 95% interval clustered by problem, the trend (the slope
     of that difference per level, clustered by problem: `stats.clustered_slope`), the same for lossless
-    minus plain (the same law) as a check, and plain decoding's score per level (the difficulty itself);
+    minus plain (the same law) as a check, and plain decoding's score per level with its own slope (the
+    difficulty itself: a trend in the gap reads as a difficulty trend only where that slope is negative);
     empty when the rows have no levels or no rule with an honest baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
     if not levels:
@@ -565,9 +566,14 @@ def level_table(rows: list[dict], baseline_of) -> str:
         body.append(cells)
     plain = [r for r in rows if r["rule"] == PLAIN and isinstance(r.get("score"), (int, float))]
     if plain:
+        # plain's own slope on the level says whether the levels are difficulty levels at all (it must be
+        # negative for the rules' trend to read as a difficulty trend)
+        plain_points = [(r["prompt_id"], float(lv), float(r["score"])) for r in plain
+                        if (lv := level_of(r["prompt_id"])) is not None]
         body.append(["plain score (difficulty)", *[
             f"{mean(r['score'] for r in plain if level_of(r['prompt_id']) == lv):.3f}"
-            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels], "-"])
+            if any(level_of(r["prompt_id"]) == lv for r in plain) else "-" for lv in levels],
+            _slope_text(stats.clustered_slope(plain_points))])
     if len(body) == (1 if plain else 0):
         return ""
     return text_table(head, body) + ("\n(per level: the rule's score minus its honest truncation sampler's "
@@ -575,7 +581,9 @@ def level_table(rows: list[dict], baseline_of) -> str:
                                      "problem], whatever its direction; trend: the least-squares slope of "
                                      "that difference on the level, cluster-robust by problem, with its "
                                      "95% interval and p; same law: lossless minus plain, "
-                                     "so neither a gap nor a trend is expected)")
+                                     "so neither a gap nor a trend is expected; plain score: plain "
+                                     "decoding's mean score per level, and its slope on the level, negative "
+                                     "where the levels are difficulty levels)")
 
 
 TIERS = ("hard", "middle", "easy")
