@@ -33,6 +33,7 @@ import torch
 from common import FreshPass
 
 from verispec.decode import stop_ids
+from verispec.diagnostics.law_check import stop_residual
 from verispec.evaluation import stats
 from verispec.evaluation.comparisons import compare, parse_comparison
 from verispec.evaluation.suites import TARGET_LOGLIK
@@ -46,8 +47,7 @@ def teacher_forced(fresh: FreshPass, row: dict, stops: list[int]) -> tuple[float
     reply = torch.tensor(row["token_ids"])  # [n]
     log_probs = fresh.logits(row).log_softmax(-1)  # [n, V]
     emitted = log_probs.gather(-1, reply[:, None])[:, 0]  # [n]
-    stop_mass = log_probs[:, stops].exp().sum().item()  # sum over positions of P(a stop token)
-    return emitted.mean().item(), sum(t in stops for t in row["token_ids"]) - stop_mass
+    return emitted.mean().item(), stop_residual(log_probs, reply, stops)
 
 
 def residual_line(config: str, values: list[float]) -> str:

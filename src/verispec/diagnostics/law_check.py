@@ -12,6 +12,12 @@ target, Leviathan et al. 2023, Theorem 1) can be checked on its output with two 
   Var_t = E[(log law_t)^2] - H^2; z = sum s_t / sqrt(sum Var_t) is standard normal in large samples (the
   martingale central limit theorem). A sampler that sharpens the law (as at T < 1) gives z < 0, one that
   flattens it z > 0.
+
+A third statistic checks when replies end: the stop residual of a reply, the stop tokens it emitted
+minus the sum over its positions of law_t(stop) (`stop_residual`). Under the claim each position adds a
+term of mean zero given the past, so the residual is a martingale stopped at the reply's end (a stop or
+the length cap), and by optional stopping its mean over replies is 0: a sampler that ends replies too
+late reads below 0, one that ends them too early above.
 """
 
 from __future__ import annotations
@@ -78,6 +84,20 @@ class LawCheck:
         return {"rows": self.rows, "tokens": len(self.pits), "off_support": self.off_support, "ks_d": d,
                 "ks_p": p, "first_ks_p": ks_uniform(self.first_pits)[1], "surprise_z": z,
                 "surprise_p": math.erfc(abs(z) / math.sqrt(2))}
+
+
+def stop_residual(log_law: Tensor, tokens: Tensor, stop_ids: list[int] | Tensor) -> float:
+    """log_law [n, V] (the claimed law at each of a reply's n positions), tokens [n] (the reply, its stop
+    token last if it stopped) -> the stop tokens among `tokens` minus the sum over positions of the
+    claimed probability of a stop token (module docstring; mean 0 over replies under the claim)."""
+    if log_law.ndim != 2 or tokens.shape != log_law.shape[:1]:
+        raise ValueError(f"need log_law [n, V] and tokens [n], got {tuple(log_law.shape)} and "
+                         f"{tuple(tokens.shape)}")
+    stops = torch.as_tensor(stop_ids, dtype=torch.long)  # [S]
+    if stops.numel() == 0:
+        raise ValueError("no stop ids: a reply can only end at the length cap, so there is no residual")
+    stop_mass = float(log_law.to(torch.float64)[:, stops].exp().sum())  # sum_t law_t(any stop token)
+    return float(torch.isin(tokens.long(), stops).sum()) - stop_mass
 
 
 def ks_uniform(values: list[float]) -> tuple[float, float]:
