@@ -6,7 +6,7 @@
 row) over Qwen2.5's 151,936 tokens, float32 rows as the decode loop hands them over. Times, interleaved
 in one process (median of reps, as a ratio to lossless `position_stats`):
 - `position_stats` for each rule (lossless takes the cheap path; the others build float64 laws);
-- the shift distances alone on the same float64 rows: the fused `_shift_distances` (one ratio law / p
+- the shift distances alone on the same float64 rows: the fused `shift_distances` (one ratio law / p
   shared by KL and the overshoot) against the separate `verispec.probability` functions (tv, kl,
   tv to the baseline, max_ratio, tail_mass), which it must equal (tests/test_gates_sampling.py).
 """
@@ -51,8 +51,8 @@ def main() -> None:
     cases = {f"position_stats {spec}": lambda r=parse(spec): shift.position_stats(
         r, target_probs, draft_probs, tokens, roles) for spec in RULES}
     cases["distances, separate functions"] = lambda: separate(law, p, base)
-    cases["distances, fused"] = lambda: shift._shift_distances(law, p, base)
-    fused, ref = shift._shift_distances(law, p, base), separate(law, p, base)
+    cases["distances, fused"] = lambda: shift.shift_distances(law, p, base)
+    fused, ref = shift.shift_distances(law, p, base), separate(law, p, base)
     worst = max((fused[name] - ref[name]).abs().max().item() for name in ref)
     times = interleaved_times(cases, args.reps)
     base_s = sorted(times["position_stats lossless"])[args.reps // 2]

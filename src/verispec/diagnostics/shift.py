@@ -59,15 +59,17 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
     }
 
 
-def _shift_distances(law: Tensor, p: Tensor, base: Tensor | None) -> dict:
-    """tv, kl, max_ratio, tail_mass of law [n, V] against p [n, V] (float64 rows), and tv_baseline
-    against base [n, V] (None: NaN), with the definitions of `verispec.probability` (docs/design.md,
-    'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes from float32 rows) take one
-    ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two) and the overshoot: 0.38x
+def shift_distances(law: Tensor, target_probs: Tensor, baseline_law: Tensor | None) -> dict:
+    """tv, kl, max_ratio, tail_mass of law [n, V] against target_probs [n, V] (float64 rows; p below), and
+    tv_baseline against baseline_law [n, V] (None: NaN), with the definitions of `verispec.probability`
+    (docs/design.md, 'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes from
+    float32 rows) take one ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two) and
+    the overshoot: 0.38x
     the separate functions' time at Qwen's vocabulary (benchmarks/diagnostics_cost.py), equal to them
     within float64 rounding (tests). Other rows (a zero in p: a truncated target, an underflowed
     softmax) go through the separate functions, which clamp p at 1e-300 and hold the +inf cases. law is
     a law (finite, >= 0), as position_stats builds it."""
+    p, base = target_probs, baseline_law
     n = p.shape[0]
     out = {"tv": (law - p).abs_().sum(-1) / 2,
            "tv_baseline": (law - base).abs_().sum(-1) / 2 if base is not None
@@ -126,7 +128,7 @@ def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor,
             "token": tokens.long(),
             "log_target": p.gather(-1, idx).squeeze(-1).log(),
             "log_law": law.gather(-1, idx).squeeze(-1).log(),
-            **_shift_distances(law, p, base),
+            **shift_distances(law, p, base),
             "expected_accept": expected,
             "draft_confidence": confidence,
             "draft_over_target": over,
