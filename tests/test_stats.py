@@ -425,16 +425,33 @@ def test_loglik_controls_on_the_committed_mtbench_pilot():
     assert cells[1] == "16" and cells[4] == f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
-def test_tree_rows_stay_out_of_the_outcome_tables(core_rows):
-    """Tree rows share (rule, k, temperature) with their rule's chain rows, which key the outcome tables:
-    a tree lossless configuration whose scores all differ must not change the chain comparisons, and the
-    report says the tree rows were left out."""
-    from verispec.evaluation.report import outcome_sections
+def test_tree_rows_are_configurations_of_their_own_in_the_outcome_tables(core_rows):
+    """A tree configuration shares (rule, temperature) with its rule's chain configuration, and may share
+    k: the outcome tables key it by its shape too, so a tree lossless configuration whose scores all
+    differ leaves the chain comparisons as they were, gets its own length row (paired with plain, as in
+    the main table), and is compared by naming its shape."""
+    from verispec.evaluation.report import baseline_of, outcome_sections
 
-    settings = {"compare": ["lossless vs plain"]}
-    trees = [{**r, "tree": "tree:widths=2,1", "score": 1 - r["score"], "finish": "eos"}
-             for r in core_rows if r["rule"] == "lossless"]
-    alone, mixed = outcome_sections(core_rows, settings), outcome_sections(core_rows + trees, settings)
-    rows, note = comparisons.chain_rows(core_rows + trees)
-    assert rows == core_rows and f"{len(trees)} tree row(s) left out" in note
-    assert mixed != alone and mixed.replace(f"\nnote: {note}", "") == alone
+    declared = ["lossless vs plain"]
+    by = {(r["rule"], r["prompt_id"]): r["score"] for r in core_rows}
+    problems = sorted({r["prompt_id"] for r in core_rows})
+    assert comparisons.canonical_side("lossless tree:widths=2,1 k=2") == "lossless tree:widths=2,1 k=2"
+    for k in (2, 4):  # a depth-2 tree, and one sharing the chain's k = 4 (keyed apart by its shape)
+        trees = [{**r, "tree": "tree:widths=2,1", "k": k, "score": 1 - r["score"], "finish": "eos"}
+                 for r in core_rows if r["rule"] == "lossless"]
+        alone = comparisons.comparisons_table(core_rows, declared)
+        assert comparisons.comparisons_table(core_rows + trees, declared) == alone
+        side = f"lossless tree:widths=2,1 k={k} T=1"
+        lengths = comparisons.length_table(core_rows + trees, baseline_of)
+        tree_line = next(line for line in lengths.splitlines() if line.startswith(side))
+        assert tree_line.split()[5] == "0.000", tree_line  # no tree row hit the cap
+        [c] = comparisons.compare(core_rows + trees, side, "lossless k=4 T=1")
+        want = np.mean([1 - 2 * by[("lossless", p)] for p in problems])
+        assert c.config_a == side and c.pooled.estimate == pytest.approx(want)
+        # a bare rule means chain drafts: the calibration pair stays the chain's
+        [chain] = comparisons.compare(core_rows + trees, "lossless", "plain")
+        assert chain.config_a == "lossless k=4 T=1"
+        sections = outcome_sections(core_rows + trees, {"compare": [f"{side} vs lossless k=4 T=1"]})
+        assert f"{side} - lossless k=4 T=1" in sections and "left out" not in sections
+        progress = comparisons.progress_table(core_rows + trees, [])
+        assert f"  {side}: {len(trees)} rows" in progress

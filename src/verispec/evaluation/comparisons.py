@@ -21,28 +21,37 @@ from verispec.evaluation.graded import level_of
 from verispec.evaluation.suites import TARGET_LOGLIK
 from verispec.rules import parse
 from verispec.tables import text_table
+from verispec.tree_decode import tree_verification_rule
+from verispec.trees import parse_shape
 
 PLAIN = "plain"
 ALPHA = 0.05
 POWER = 0.8
 
 
-_CONFIG_TAIL = re.compile(r"^(?P<rule>.*?)(?: k=(?P<k>\d+))?(?: T=(?P<t>[0-9.eE+-]+))?$")
+_CONFIG_TAIL = re.compile(r"^(?P<rule>.*?)(?: (?P<tree>(?:tree|drafts):\S+))?(?: k=(?P<k>\d+))?"
+                          r"(?: T=(?P<t>[0-9.eE+-]+))?$")
 
 
-def _split_side(text: str) -> tuple[str, int | None, float | None]:
-    """A side -> (rule or plain, k or None, temperature or None): a config id ('lossless k=4 T=1',
-    'plain T=0.7') pins k and temperature, a bare rule spec covers every k and temperature."""
+def _split_side(text: str) -> tuple[str, int | None, float | None, str | None]:
+    """A side -> (rule or plain, k or None, temperature or None, tree shape or None): a config id
+    ('lossless k=4 T=1', 'plain T=0.7', 'lossless tree:widths=2,1 k=2 T=1') pins k and temperature, a
+    bare rule spec covers every k and temperature; a side without a shape means chain drafts."""
     match = _CONFIG_TAIL.match(text.strip())
-    rule, k, t = match["rule"].strip(), match["k"], match["t"]
-    return rule, int(k) if k else None, float(t) if t else None
+    rule, tree, k, t = match["rule"].strip(), match["tree"], match["k"], match["t"]
+    return rule, int(k) if k else None, float(t) if t else None, tree
 
 
 def canonical_side(text: str) -> str:
-    """A comparison side as the rows name it: `plain` or a rule spec in its canonical form, with the
-    config id's ` k=K T=T` kept when given."""
-    rule, k, t = _split_side(text)
-    rule = PLAIN if rule == PLAIN else parse(rule).spec
+    """A comparison side as the rows name it: `plain` or a rule spec in its canonical form (a tree rule
+    with its canonical shape after it, as a tree configuration's id has it), with the config id's
+    ` k=K T=T` kept when given."""
+    rule, k, t, tree = _split_side(text)
+    if tree is not None:
+        shape = parse_shape(tree)
+        rule = f"{tree_verification_rule(rule, shape).spec} {shape.spec}"
+    else:
+        rule = PLAIN if rule == PLAIN else parse(rule).spec
     return rule + (f" k={k}" if k is not None else "") + (f" T={t:g}" if t is not None else "")
 
 
@@ -81,28 +90,30 @@ def comparison_text(pair: tuple[str, str]) -> str:
 # ----------------------------------------------------------------------------------------------- rows
 
 
+def config_key(row: dict) -> tuple[str, int, float, str | None]:
+    """A row's configuration: (rule, k, temperature, tree shape or None for chain drafts); a tree
+    configuration (`--tree`) shares its rule, k and temperature with a chain one, never its shape."""
+    return row["rule"], row["k"], row["temperature"], row.get("tree") or None
+
+
 def _units(rows: list[dict]) -> dict[tuple, dict]:
-    """(rule, k, temperature) -> {(prompt_id, seed): row}."""
+    """`config_key` -> {(prompt_id, seed): row}."""
     out: dict[tuple, dict] = defaultdict(dict)
     for r in rows:
-        out[(r["rule"], r["k"], r["temperature"])][(r["prompt_id"], r["seed"])] = r
+        out[config_key(r)][(r["prompt_id"], r["seed"])] = r
     return out
 
 
-def chain_rows(rows: list[dict]) -> tuple[list[dict], str]:
-    """The rows the outcome and comparison tables read, and a note when any were left out: plain and
-    chain rows. A configuration is keyed here by (rule, k, temperature), which a tree configuration
-    (`--tree`) shares with the chain configuration of its rule; read together, one would overwrite the
-    other's rows unseen, so tree rows are left to the main table, which keys them by their shape."""
-    chains = [r for r in rows if not r.get("tree")]
-    left = len(rows) - len(chains)
-    return chains, (f"the outcome and comparison tables read plain and chain rows only: {left} tree "
-                    "row(s) left out (their speed and fidelity are in the main table)" if left else "")
+def _side(key: tuple) -> str:
+    """The comparison side that names a configuration's rule and shape (any k and temperature)."""
+    return key[0] + (f" {key[3]}" if key[3] else "")
 
 
 def _covers(key: tuple, side: tuple) -> bool:
-    rule, k, t = side
-    return key[0] == rule and (k is None or key[1] == k) and (t is None or key[2] == t)
+    rule, k, t, tree = side
+    if tree is not None:
+        rule = f"{rule} {tree}"
+    return _side(key) == rule and (k is None or key[1] == k) and (t is None or key[2] == t)
 
 
 def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
@@ -125,8 +136,9 @@ def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
 
 
 def _config_name(key: tuple) -> str:
-    rule, k, temperature = key
-    return f"plain T={temperature:g}" if rule == PLAIN else f"{rule} k={k} T={temperature:g}"
+    rule, k, temperature, tree = key
+    shape = f" {tree}" if tree else ""
+    return f"plain T={temperature:g}" if rule == PLAIN else f"{rule}{shape} k={k} T={temperature:g}"
 
 
 @dataclass(frozen=True)
@@ -373,19 +385,20 @@ def length_table(rows: list[dict], baseline_of) -> str:
     first code block), each with its paired difference to the configuration's baseline (`baseline_of`,
     the report's) and a 95% interval clustered by problem; the protocol the rows were scored under."""
     units = _units(rows)
-    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    configs = list(dict.fromkeys(config_key(r) for r in rows))
     protocols = sorted({str(r.get("protocol") or _legacy_protocol(r)) for r in rows})
     head = ["config", "n"] + [h for name, _ in OUTCOMES for h in (name, f"Δ{name} vs baseline")]
     body = []
     for key in configs:
         group = list(units[key].values())
         cells = [_config_name(key), str(len(group))]
-        base_rule = baseline_of(key[0])
+        # a tree configuration is paired with plain decoding, the target's own law (as the main table)
+        base_rule = PLAIN if key[3] else baseline_of(key[0])
         for name, value in OUTCOMES:
             level = mean(value(r) for r in group)
             cells.append(f"{level:.1f}" if name == "tokens" else f"{level:.3f}")
-            diffs = [c for c in compare(rows, key[0], base_rule, value) if c.config_a == _config_name(key)] \
-                if base_rule else []
+            diffs = [c for c in compare(rows, _side(key), base_rule, value)
+                     if c.config_a == _config_name(key)] if base_rule else []
             cells.append(_interval(diffs[0].pooled) if diffs else "-")
         body.append(cells)
     legend = (f"(protocol: {', '.join(protocols)}; cap-hit = finish 'length'; stopped itself = a stop token "
@@ -510,16 +523,17 @@ def _differences(rows: list[dict], key: tuple, base: str) -> list[tuple[str, int
     """(problem, seed, score of config `key` minus score of `base`) for every (problem, seed) both have,
     `base` at the same temperature (and k, unless it is plain)."""
     units = _units(rows)
-    base_key = next((k for k in units
-                     if k[0] == base and k[2] == key[2] and (base == PLAIN or k[1] == key[1])), None)
+    base_key = next((k for k in units if k[0] == base and k[3] is None and k[2] == key[2]
+                     and (base == PLAIN or k[1] == key[1])), None)
     if base_key is None:
         return []
     return [(problem, seed, va - vb) for problem, seed, va, vb, _, _ in _pairs(units, key, base_key)]
 
 
 def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
-    """(config key, its honest truncation baseline) for every truncation rule among the rows."""
-    configs = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    """(config key, its honest truncation baseline) for every truncation rule among the chain rows (a
+    tree has no honest baseline: docs/design.md, 'Trees')."""
+    configs = list(dict.fromkeys(config_key(r) for r in rows if not r.get("tree")))
     out = []
     for key in configs:
         base = baseline_of(key[0]) if key[0] != PLAIN else None
@@ -531,7 +545,7 @@ def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
 def _calibration_configs(rows: list[dict]) -> list[tuple[tuple, str]]:
     """(lossless config key, plain) when both are among the rows: the same law, so no gap and no trend
     is expected; printed beside the rules as a check of the per-level table itself."""
-    keys = list(dict.fromkeys((r["rule"], r["k"], r["temperature"]) for r in rows))
+    keys = list(dict.fromkeys(config_key(r) for r in rows if not r.get("tree")))
     return [(key, PLAIN) for key in keys if key[0] == "lossless"
             and any(k[0] == PLAIN and k[2] == key[2] for k in keys)]
 

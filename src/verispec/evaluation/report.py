@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import mean, median, stdev
 from typing import Sequence
 
-from verispec.evaluation.comparisons import (chain_rows, comparisons_table, length_table, level_table,
+from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import check_schema, results_file, scan_rows
@@ -844,8 +844,6 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     path, rows, notes = _read_sweep(results_dir)
     settings = _read_settings(path, notes)
     rows = first_problems(rows, problems, settings, notes)
-    rows, left_out = chain_rows(rows)
-    notes += [left_out] if left_out else []
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
 
@@ -891,9 +889,7 @@ def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1) -> 
     """The length outcomes and the planned comparisons (`verispec.evaluation.comparisons`) under the
     table; `settings`: the sweep.json (its `compare` and `sequential`); `looks_taken`: readings of a
     fixed-design sweep so far."""
-    rows, left_out = chain_rows(rows)
     out = "\n\nlength outcomes:\n" + length_table(rows, baseline_of)
-    out += f"\nnote: {left_out}" if left_out else ""
     declared = list(settings.get("compare") or [])
     sequential = settings.get("sequential")
     planned = planned_problems(settings) if sequential else None
