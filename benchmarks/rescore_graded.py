@@ -1,0 +1,144 @@
+"""Re-score a `graded-steps` sweep's rows independently of the suite's code (issue 23's held-out check).
+
+    python benchmarks/rescore_graded.py benchmarks/sweeps/qwen-graded-steps [--compare A:B ...]
+
+For every row: the problem's answer recomputed from the prompt's own words ("Start with 412 and apply
+these steps in order: 1. Add 18. 2. Divide by 5. ..."), not from the generator's stored answer; the
+reply scored again with a scorer written here (the last number in the reply, or the one after '####'
+when the reply has one: the suite's rule) and with a strict one (the number of the last answer marker,
+'####' or \\boxed{...}; replies with neither score 0, whatever their last number). Printed: rows
+whose recomputed answer or re-score differs from the stored score, how many replies lack a marker,
+and each planned comparison (A - B on (problem, seed) pairs) under both
+scorings with a paired t-test on per-problem mean differences (scipy) and an exact McNemar test on the
+discordant pairs (scipy's binomial test): the report's p-values computed by other code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from verispec.evaluation import graded
+
+_STEP = re.compile(r"^\d+\. (Add|Subtract|Multiply by|Divide by) (\d+)\.$")
+_START = re.compile(r"Start with (\d+) and apply these steps in order:")
+_HASHES = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)")
+_MARKED = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)|\\boxed\{\s*(-?[\d,]*\.?\d+)\s*\}")
+_NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
+
+
+def answer_from_prompt(prompt: str) -> int:
+    """The chain's value, computed from the prompt's words alone; a division that is not exact raises."""
+    value = int(_START.search(prompt).group(1))
+    for line in prompt.splitlines():
+        found = _STEP.match(line.strip())
+        if not found:
+            continue
+        word, operand = found.group(1), int(found.group(2))
+        if word == "Add":
+            value += operand
+        elif word == "Subtract":
+            value -= operand
+        elif word == "Multiply by":
+            value *= operand
+        else:
+            if value % operand:
+                raise ValueError(f"inexact division {value} / {operand} in {prompt!r}")
+            value //= operand
+    return value
+
+
+def _as_number(raw: str) -> float | None:
+    try:
+        return float(raw.replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def reply_number(text: str, strict: bool) -> float | None:
+    """The suite's rule: the number after the last '####' (markdown bold allowed), else the last number
+    in the text. `strict`: the number of the last answer marker, '####' or '\\boxed{42}' (the model's
+    habit), else None."""
+    pattern = _MARKED if strict else _HASHES
+    found = [m.group(m.lastindex) for m in pattern.finditer(text)]
+    candidates = found or ([] if strict else _NUMBER.findall(text))
+    numbers = [n for n in map(_as_number, candidates) if n is not None]
+    return numbers[-1] if numbers else None
+
+
+def _side(spec: str, configs: list[str]) -> str:
+    """The configuration a comparison side names: an exact config id, else the one whose id starts with
+    the side's rule followed by a space or a comma ('plain' -> 'plain T=0.7')."""
+    if spec in configs:
+        return spec
+    hits = [c for c in configs if c.startswith(spec + " ") or c.startswith(spec + ",")]
+    if len(hits) != 1:
+        raise SystemExit(f"comparison side {spec!r} names {len(hits)} configurations of {configs}")
+    return hits[0]
+
+
+def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
+    units = sorted({(p, s) for (c, p, s) in scores if c == a} & {(p, s) for (c, p, s) in scores if c == b})
+    per_problem: dict[str, list[float]] = defaultdict(list)
+    wins = losses = 0
+    for p, s in units:
+        d = scores[(a, p, s)] - scores[(b, p, s)]
+        per_problem[p].append(d)
+        wins += d > 0
+        losses += d < 0
+    diffs = np.array([np.mean(v) for v in per_problem.values()])
+    mean = diffs.mean()
+    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
+    t_p = stats.ttest_1samp(diffs, 0.0).pvalue if diffs.std() > 0 else 1.0
+    mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
+    return (f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] t-test p {t_p:.3g}; "
+            f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({len(per_problem)} problems, {len(units)} pairs)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--compare", nargs="*", help="A:B or 'A vs B' (default: the sweep.json's)")
+    args = parser.parse_args()
+    rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
+    comparisons = args.compare
+    if comparisons is None:
+        comparisons = json.loads((args.sweep / "sweep.json").read_text()).get("compare", [])
+    problems = graded.generate_steps()
+    prompts = {p["id"]: p["prompt"] for p in problems}
+    generator_mismatch = sum(answer_from_prompt(p["prompt"]) != p["answer"] for p in problems)
+    stored, suite_rule, strict = {}, {}, {}
+    score_mismatch = unmarked = 0
+    for r in rows:
+        want = answer_from_prompt(prompts[r["prompt_id"]])
+        key = (r["config"], r["prompt_id"], r["seed"])
+        stored[key] = float(r["score"])
+        got, got_strict = reply_number(r["text"], False), reply_number(r["text"], True)
+        suite_rule[key] = float(got is not None and got == want)
+        strict[key] = float(got_strict is not None and got_strict == want)
+        unmarked += got_strict is None
+        score_mismatch += suite_rule[key] != stored[key]
+    print(f"{len(problems)} problems: answers recomputed from the prompts' words differ from the "
+          f"generator's in {generator_mismatch}")
+    print(f"{len(rows)} rows; re-scored (the suite's rule, answers from the prompts' words) differ from "
+          f"the stored score in {score_mismatch}; replies with no answer marker ('####' or \\boxed): "
+          f"{unmarked}")
+    configs = sorted({r["config"] for r in rows})
+    for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
+        means = {c: np.mean([v for (cc, _, _), v in table.items() if cc == c]) for c in configs}
+        print(f"{name}: " + "; ".join(f"{c} {m:.3f}" for c, m in means.items()))
+    for spec in comparisons:
+        a, b = (s.strip() for s in (spec.split(" vs ") if " vs " in spec else spec.split(":", 1)))
+        a, b = _side(a, configs), _side(b, configs)
+        for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
+            print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
+
+
+if __name__ == "__main__":
+    main()
