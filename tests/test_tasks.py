@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from verispec.evaluation import comparisons, graded
+from verispec.evaluation import comparisons, graded, scorers
 from verispec.evaluation.suites import DATA, load_suite
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.truediv}
@@ -192,3 +192,41 @@ def test_level_table_on_constructed_rows(prefix):
     assert plain_slope[0] == "-0.500" and plain_slope[-2] == "p", plain_line
     assert float(plain_slope[2].rstrip("]")) < 0, plain_line
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""
+
+
+def _rescore_graded():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rescore_graded.py"
+    spec = importlib.util.spec_from_file_location("rescore_graded", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suite():
+    """benchmarks/rescore_graded.py, the held-out check of the graded-steps study: every problem's answer
+    recomputed from its prompt's words equals the generator's; its reply parser follows the suite's rule
+    ('####' wins, else the last number) and, strict, takes only a marked answer; on the committed seed-0
+    study's rows it gives every stored score back."""
+    rescore = _rescore_graded()
+    problems = graded.generate_steps()
+    assert all(rescore.answer_from_prompt(p["prompt"]) == p["answer"] for p in problems)
+    with pytest.raises(ValueError, match="inexact"):
+        rescore.answer_from_prompt("Start with 7 and apply these steps in order:\n1. Divide by 2.\n")
+    text = "1. 12 + 5 = 17\n2. 17 * 3 = 51\n#### 51\nCheck: 51 - 1 = 50"
+    assert rescore.reply_number(text, strict=False) == 51 and rescore.reply_number(text, strict=True) == 51
+    boxed = "1. 12 + 5 = 17\nThe answer is \\boxed{17}.\n(checked in 3 steps)"
+    assert rescore.reply_number(boxed, strict=False) == 3 and rescore.reply_number(boxed, strict=True) == 17
+    assert scorers.numeric_match(boxed, 3) == 1.0  # the suite's own rule: the last number
+    plain = "So the number you end with is 1,203."
+    assert rescore.reply_number(plain, strict=False) == 1203
+    assert rescore.reply_number(plain, strict=True) is None
+    answers = {p["id"]: p["answer"] for p in problems}
+    sweeps = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps"
+    path = sweeps / "qwen-graded-steps" / "results.jsonl"
+    rows = [json.loads(line) for line in path.open()]
+    assert len(rows) == 800
+    for row in rows:
+        got = rescore.reply_number(row["text"], strict=False)
+        assert float(got == answers[row["prompt_id"]]) == row["score"], row["prompt_id"]
