@@ -455,3 +455,16 @@ def test_tree_rows_are_configurations_of_their_own_in_the_outcome_tables(core_ro
         assert f"{side} - lossless k=4 T=1" in sections and "left out" not in sections
         progress = comparisons.progress_table(core_rows + trees, [])
         assert f"  {side}: {len(trees)} rows" in progress
+
+
+def test_a_comparison_without_spread_gets_no_mde_and_a_note(core_rows):
+    """Two configurations whose scores agree on every problem: the clustered t-test has standard error 0,
+    so its p is a convention and a minimum detectable effect of 0 would be false; the table prints '-'
+    and says why."""
+    copy = [{**r, "tree": "tree:widths=2,1", "k": 2} for r in core_rows if r["rule"] == "lossless"]
+    side = "lossless tree:widths=2,1 k=2 T=1"
+    table = comparisons.comparisons_table(core_rows + copy, [f"{side} vs lossless k=4 T=1"])
+    cells = _table_cells(table, f"{side} - lossless k=4 T=1")
+    assert cells[-2] == "-" and f"note: {side} - lossless k=4 T=1: every problem's difference is the same" \
+        in table
+    assert "every problem's difference" not in comparisons.comparisons_table(core_rows, ["lossless vs plain"])

@@ -327,7 +327,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         else:
             threshold, holm_p = ALPHA, "-"
             decision = "differs" if c.pooled.p_value < ALPHA else "no difference"
-        usable = not math.isnan(c.pooled.se) and not math.isnan(threshold)
+        usable = c.pooled.se > 0 and not math.isnan(threshold)  # se 0: no spread, no power statement
         mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
         label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
@@ -353,6 +353,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               "difference there is chance, not a rule effect)")
     notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
                     "or not yet decoded)" for m in missing)
+    notes += "".join(f"\nnote: {c.config_a} - {c.config_b}: every problem's difference is the same "
+                     f"({_fmt(c.pooled.estimate)}), so the t-test has no spread to work with: its p is a "
+                     "convention (1 for a zero difference, 0 otherwise) and no MDE is given"
+                     for c in family if c.pooled.se == 0)
     return text_table(head, body) + "\n" + legend + notes
 
 
