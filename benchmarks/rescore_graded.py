@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from verispec.evaluation import graded
+from verispec.evaluation import comparisons, graded
 
 _STEP = re.compile(r"^\d+\. (Add|Subtract|Multiply by|Divide by) (\d+)\.$")
 _START = re.compile(r"Start with (\d+) and apply these steps in order:")
-_HASHES = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)")
+_HASHES = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 _MARKED = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)|\\boxed\{\s*(-?[\d,]*\.?\d+)\s*\}")
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
 
@@ -62,25 +62,14 @@ def _as_number(raw: str) -> float | None:
 
 
 def reply_number(text: str, strict: bool) -> float | None:
-    """The suite's rule: the number after the last '####' (markdown bold allowed), else the last number
-    in the text. `strict`: the number of the last answer marker, '####' or '\\boxed{42}' (the model's
+    """The suite's rule: the number after the last '####', else the last number in the text. `strict`: the
+    number of the last answer marker, '####' (markdown bold or '$' allowed) or '\\boxed{42}' (the model's
     habit), else None."""
     pattern = _MARKED if strict else _HASHES
     found = [m.group(m.lastindex) for m in pattern.finditer(text)]
     candidates = found or ([] if strict else _NUMBER.findall(text))
     numbers = [n for n in map(_as_number, candidates) if n is not None]
     return numbers[-1] if numbers else None
-
-
-def _side(spec: str, configs: list[str]) -> str:
-    """The configuration a comparison side names: an exact config id, else the one whose id starts with
-    the side's rule followed by a space or a comma ('plain' -> 'plain T=0.7')."""
-    if spec in configs:
-        return spec
-    hits = [c for c in configs if c.startswith(spec + " ") or c.startswith(spec + ",")]
-    if len(hits) != 1:
-        raise SystemExit(f"comparison side {spec!r} names {len(hits)} configurations of {configs}")
-    return hits[0]
 
 
 def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
@@ -107,9 +96,9 @@ def main() -> None:
     parser.add_argument("--compare", nargs="*", help="A:B or 'A vs B' (default: the sweep.json's)")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
-    comparisons = args.compare
-    if comparisons is None:
-        comparisons = json.loads((args.sweep / "sweep.json").read_text()).get("compare", [])
+    declared = args.compare
+    if declared is None:
+        declared = json.loads((args.sweep / "sweep.json").read_text()).get("compare") or []
     problems = graded.generate_steps()
     prompts = {p["id"]: p["prompt"] for p in problems}
     generator_mismatch = sum(answer_from_prompt(p["prompt"]) != p["answer"] for p in problems)
@@ -133,11 +122,11 @@ def main() -> None:
     for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
         means = {c: np.mean([v for (cc, _, _), v in table.items() if cc == c]) for c in configs}
         print(f"{name}: " + "; ".join(f"{c} {m:.3f}" for c, m in means.items()))
-    for spec in comparisons:
-        a, b = (s.strip() for s in (spec.split(" vs ") if " vs " in spec else spec.split(":", 1)))
-        a, b = _side(a, configs), _side(b, configs)
-        for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
-            print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
+    for spec in declared:  # the sides resolved to configurations as the report does; the statistics are ours
+        for found in comparisons.compare(rows, *comparisons.parse_comparison(spec)):
+            a, b = found.config_a, found.config_b
+            for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
+                print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
 
 
 if __name__ == "__main__":

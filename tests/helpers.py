@@ -1,9 +1,24 @@
-"""Shared fixtures for the rule tests: catalogue specs and (p, q) cases with edge cases."""
+"""Shared fixtures for the rule tests: catalogue specs and (p, q) cases with edge cases; a loader for the
+scripts under benchmarks/ that tests exercise."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import numpy as np
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 # Token-level tests skip BLOCK_RULES (tests/test_hsd.py checks them over whole blocks).
 BLOCK_RULES = {"hsd"}

