@@ -99,7 +99,9 @@ def main() -> None:
     declared = args.compare
     if declared is None:
         declared = json.loads((args.sweep / "sweep.json").read_text()).get("compare") or []
-    problems = graded.generate_steps()
+    suite = json.loads((args.sweep / "sweep.json").read_text())["suite"]
+    problems = {"graded-steps": graded.generate_steps,
+                "graded-steps-heldout": graded.generate_steps_heldout}[suite]()
     prompts = {p["id"]: p["prompt"] for p in problems}
     generator_mismatch = sum(answer_from_prompt(p["prompt"]) != p["answer"] for p in problems)
     stored, suite_rule, strict = {}, {}, {}

@@ -78,6 +78,7 @@ def test_graded_problems_are_pinned():
 
     assert digest(graded.generate()) == "685a9524d8ef2a2f"
     assert digest(graded.generate_steps()) == "6aaad1b3c17ff9a6"
+    assert digest(graded.generate_steps_heldout()) == "676bb7f7966c005d"
 
 
 def chain_of(problem: dict) -> tuple[int, list[tuple[type, int]]]:
@@ -101,10 +102,36 @@ def test_graded_steps_levels_differ_in_the_number_of_steps_and_the_steps_alike()
     assert all(graded.level_of(i.id) == i.meta["level"] for i in suite.items)
     assert sorted((i.id, i.answer) for i in suite.items) == sorted((p["id"], p["answer"]) for p in first)
     assert not {p["id"] for p in first} & {p["id"] for p in graded.generate()}  # two tasks, two id spaces
+    check_chains(first)
+    item = suite.items[0]
+    assert suite.score(f"so the result is\n#### {item.answer}", item) == {"exact_match": 1.0}
+    assert suite.score(f"#### {item.answer + 1}", item) == {"exact_match": 0.0}
+
+
+def test_graded_steps_heldout_is_the_same_rule_on_other_problems():
+    """The held-out set: 80 problems a level by graded-steps' rule, no question shared with graded-steps
+    (a pattern seen there is tested here on problems it was not seen on)."""
+    heldout, first = graded.generate_steps_heldout(), graded.generate_steps()
+    assert heldout == graded.generate_steps_heldout()
+    assert Counter(p["level"] for p in heldout) == {lv: 80 for lv in range(1, 6)}
+    assert len({p["id"] for p in heldout}) == len({p["question"] for p in heldout}) == 400
+    assert not {p["question"] for p in heldout} & {p["question"] for p in first}
+    assert not {p["id"] for p in heldout} & {p["id"] for p in first}
+    assert all(p["id"].startswith(f"graded-steps-heldout-L{p['level']}-") for p in heldout)
+    suite = load_suite("graded-steps-heldout")
+    assert suite.max_new_tokens == load_suite("graded-steps").max_new_tokens and len(suite.items) == 400
+    assert [graded.level_of(i.id) for i in suite.items[:6]] == [1, 2, 3, 4, 5, 1]
+    assert all(graded.level_of(i.id) == i.meta["level"] for i in suite.items)
+    check_chains(heldout)
+
+
+def check_chains(problems: list[dict]) -> None:
+    """Every graded-steps problem: the prompt, the chain's length by level, each step's result checked
+    with exact fractions, no step undoing the last, the answer; and the burn-in's equal number sizes."""
     words = {ast.Add: "Add", ast.Sub: "Subtract", ast.Mult: "Multiply by", ast.FloorDiv: "Divide by"}
     inverse = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult}
     values: dict[int, list[int]] = {}
-    for p in first:
+    for p in problems:
         assert p["prompt"] == p["question"] + graded.STEPS_INSTRUCTION
         assert "without writing code" in p["prompt"]
         value, chain = chain_of(p)
@@ -122,9 +149,6 @@ def test_graded_steps_levels_differ_in_the_number_of_steps_and_the_steps_alike()
     # it, chains started at 2-30 averaged 82 at level 1 and 252 at level 4)
     means = [sum(v) / len(v) for _, v in sorted(values.items())]
     assert max(means) < 1.25 * min(means) and min(means) > 200, means
-    item = suite.items[0]
-    assert suite.score(f"so the result is\n#### {item.answer}", item) == {"exact_match": 1.0}
-    assert suite.score(f"#### {item.answer + 1}", item) == {"exact_match": 0.0}
 
 
 def test_mtbench_first_turns():
@@ -163,7 +187,7 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
             "seed": seed, "score": score, "tokens": 10, "finish": "eos"}
 
 
-@pytest.mark.parametrize("prefix", ["graded", "graded-steps"])
+@pytest.mark.parametrize("prefix", ["graded", "graded-steps", "graded-steps-heldout"])
 def test_level_table_on_constructed_rows(prefix):
     """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
     level, and plain's own score falls by 1/2 a level; the same for either graded suite's ids."""

@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bench)
     bench.add_argument("--suite", default="shakespeare",
                        help="shakespeare, capitals, arithmetic, humaneval, humaneval-sanitized, mtbench, "
-                            "graded, graded-steps, gsm8k:PATH, math:PATH, mbpp:PATH, mbpp-sanitized:PATH")
+                            "graded, graded-steps, graded-steps-heldout, gsm8k:PATH, math:PATH, mbpp:PATH, "
+                            "mbpp-sanitized:PATH")
     bench.add_argument("--rules", nargs="+", default=["lossless"],
                        help="rule specs; plain, lossless and honest truncation baselines are always added")
     bench.add_argument("--temperatures", nargs="+", type=float, default=[1.0])

@@ -18,6 +18,11 @@ runs), and no step undoes the one before. Each step is one more chance to slip; 
 the levels difficulty levels on a given model is measured, not assumed (README, 'A second graded
 task'). The first task's levels change the kind of problem too, and on the Qwen coder they are not
 ordered by difficulty (README, 'The graded task on the Qwen pair').
+
+A held-out set of the second task (suite `graded-steps-heldout`): the same rule from another seed, 80
+problems a level, none of whose questions is in `graded-steps`. It exists so that a pattern first seen on
+`graded-steps` can be tested confirmatorily on problems it was not seen on (a pattern of 200 fixed
+problems repeats on every sampling seed, so new seeds alone cannot confirm it).
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def _level5(rng: random.Random) -> tuple[str, str, int]:
 GENERATORS = (_level1, _level2, _level3, _level4, _level5)
 
 STEPS_SEED = 20261
+STEPS_HELDOUT_SEED = 20262
+STEPS_HELDOUT_PER_LEVEL = 80
 STEPS_PER_LEVEL = (2, 4, 6, 8, 10)
 CHAIN_LIMIT = 1000  # every intermediate value lies in 1 .. CHAIN_LIMIT - 1
 BURN_IN = 10  # hidden steps before the shown start: every level's steps act on numbers alike
@@ -148,14 +155,14 @@ def _chain(rng: random.Random, steps: int) -> tuple[str, str, int]:
 
 
 def _generate(makers: Sequence[Maker], prefix: str, instruction: str, seed: int,
-              per_level: int) -> list[dict]:
+              per_level: int, exclude: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for level, make in enumerate(makers, start=1):
         seen: set[str] = set()
         while len([p for p in out if p["level"] == level]) < per_level:
             question, expression, answer = make(rng)
-            if question in seen or answer <= 0:
+            if question in seen or question in exclude or answer <= 0:
                 continue
             seen.add(question)
             n = len(seen)
@@ -177,6 +184,17 @@ def generate_steps(seed: int = STEPS_SEED, per_level: int = PER_LEVEL) -> list[d
     return _generate(makers, "graded-steps", STEPS_INSTRUCTION, seed, per_level)
 
 
+def generate_steps_heldout(seed: int = STEPS_HELDOUT_SEED,
+                           per_level: int = STEPS_HELDOUT_PER_LEVEL) -> list[dict]:
+    """The `graded-steps-heldout` problems (ids 'graded-steps-heldout-L<level>-<nn>'): `generate_steps`'s
+    rule from another seed, with every question that `generate_steps()` also drew left out, so the two
+    sets share no problem."""
+    makers = [partial(_chain, steps=steps) for steps in STEPS_PER_LEVEL]
+    seen = {p["question"] for p in generate_steps()}
+    drawn = _generate(makers, "graded-steps-heldout", STEPS_INSTRUCTION, seed, per_level, exclude=seen)
+    return drawn
+
+
 def interleaved(problems: list[dict], key: str = "level") -> list[dict]:
     """The problems with the values of `key` (the level by default), in sorted order, taken in turn (the
     first problem of each, then the second of each, ...), so that any prefix is balanced across them (to
@@ -188,11 +206,11 @@ def interleaved(problems: list[dict], key: str = "level") -> list[dict]:
     return [q[n] for n in range(max(map(len, queues), default=0)) for q in queues if n < len(q)]
 
 
-_LEVEL_ID = re.compile(r"graded(?:-steps)?-L(\d+)-")
+_LEVEL_ID = re.compile(r"graded(?:-steps(?:-heldout)?)?-L(\d+)-")
 
 
 def level_of(prompt_id: str) -> int | None:
-    """The level of a graded problem from its id ('graded-L3-07', 'graded-steps-L3-07' -> 3); None for
-    other ids."""
+    """The level of a graded problem from its id ('graded-L3-07', 'graded-steps-L3-07',
+    'graded-steps-heldout-L3-07' -> 3); None for other ids."""
     found = _LEVEL_ID.match(prompt_id) if isinstance(prompt_id, str) else None
     return int(found.group(1)) if found else None

@@ -9,7 +9,8 @@ for standard local files: `gsm8k:PATH` and `math:PATH` (jsonl; numeric / boxed-a
 `mbpp:PATH` / `mbpp-sanitized:PATH` (jsonl; execution of the provided asserts). `mtbench` (MT-Bench's 80
 first turns, scored by target log-likelihood, length and cap-hit), `graded` (five difficulty levels
 of problems with exact answers, generated from a fixed seed) and `graded-steps` (five levels by the number
-of dependent arithmetic steps, 2 to 10, each step drawn by the same rule).
+of dependent arithmetic steps, 2 to 10, each step drawn by the same rule), with `graded-steps-heldout`
+(the same rule on 400 other problems, for confirmatory tests of what `graded-steps` showed).
 """
 
 from __future__ import annotations
@@ -247,6 +248,13 @@ def graded_steps_suite() -> Suite:
                    graded.generate_steps(), 512)
 
 
+def graded_steps_heldout_suite() -> Suite:
+    """`graded-steps`'s rule on 400 other problems (80 a level, none shared): the set on which a pattern
+    seen on `graded-steps` is tested confirmatorily (`graded.generate_steps_heldout`)."""
+    return _graded("graded-steps-heldout", "held-out chains of 2 to 10 arithmetic steps (5 levels x 80), "
+                   "exact answer", graded.generate_steps_heldout(), 512)
+
+
 def gsm8k(path: str) -> Suite:
     rows = _read_jsonl(Path(path))
     items = tuple(Item(str(r.get("id", i)), r["question"], r["answer"]) for i, r in enumerate(rows))
@@ -299,7 +307,8 @@ SUITES: Registry[Callable[[], Suite]] = Registry("suite")
 for _name, _build in (("shakespeare", shakespeare), ("capitals", capitals), ("arithmetic", arithmetic),
                       ("humaneval", humaneval), ("humaneval-sanitized", humaneval_sanitized),
                       ("mtbench", mtbench), ("graded", graded_suite),
-                      ("graded-steps", graded_steps_suite)):
+                      ("graded-steps", graded_steps_suite),
+                      ("graded-steps-heldout", graded_steps_heldout_suite)):
     SUITES.add(_name, _build)
 FILE_SUITES: Registry[Callable[[str], Suite]] = Registry("file suite")
 for _name, _build in (("gsm8k", gsm8k), ("math", math_suite), ("mbpp", mbpp),
