@@ -31,6 +31,8 @@ _START = re.compile(r"Start with (\d+) and apply these steps in order:")
 _HASHES = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 _MARKED = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)|\\boxed\{\s*(-?[\d,]*\.?\d+)\s*\}")
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
+LOW_LEVELS = (1, 2)  # the held-out plan's contrast: levels 1-2 against 3-5
+SHORT_TOKENS = 40  # the held-out plan's "short reply"
 
 
 def answer_from_prompt(prompt: str) -> int:
@@ -72,6 +74,13 @@ def reply_number(text: str, strict: bool) -> float | None:
     return numbers[-1] if numbers else None
 
 
+def last_number(text: str) -> float | None:
+    """The reply's last number, '####' or not (a reply that echoes '#### 621' first and ends on the right
+    answer counts as right here, wrong under the suite's rule)."""
+    numbers = [n for n in map(_as_number, _NUMBER.findall(text)) if n is not None]
+    return numbers[-1] if numbers else None
+
+
 def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
     units = sorted({(p, s) for (c, p, s) in scores if c == a} & {(p, s) for (c, p, s) in scores if c == b})
     per_problem: dict[str, list[float]] = defaultdict(list)
@@ -90,10 +99,77 @@ def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
             f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({len(per_problem)} problems, {len(units)} pairs)")
 
 
+def _per_problem(scores: dict[tuple[str, str, int], float], a: str, b: str) -> dict[str, float]:
+    """problem -> the mean of A - B over its seeds (the problem is the cluster)."""
+    diffs: dict[str, list[float]] = defaultdict(list)
+    for (c, p, s), v in scores.items():
+        if c == a and (b, p, s) in scores:
+            diffs[p].append(v - scores[(b, p, s)])
+    return {p: float(np.mean(v)) for p, v in diffs.items()}
+
+
+def level_contrast(scores: dict[tuple[str, str, int], float], a: str, b: str,
+                   low: tuple[int, ...] = LOW_LEVELS) -> dict:
+    """The gap A - B on the `low` levels minus the gap on the others, from per-problem mean differences
+    (a problem sits in one level, so the two groups are independent): Welch's t-test (scipy), and the
+    low levels' own gap with its 95% t interval. The held-out plan's primary test (qwen-graded-steps-
+    heldout/PLAN.md)."""
+    per = _per_problem(scores, a, b)
+    lo = np.array([d for p, d in per.items() if graded.level_of(p) in low])
+    hi = np.array([d for p, d in per.items() if graded.level_of(p) not in low])
+    contrast = lo.mean() - hi.mean()
+    se = float(np.sqrt(lo.var(ddof=1) / len(lo) + hi.var(ddof=1) / len(hi)))
+    welch = stats.ttest_ind(lo, hi, equal_var=False).pvalue if se > 0 else 1.0
+    half = stats.t.ppf(0.975, len(lo) - 1) * lo.std(ddof=1) / np.sqrt(len(lo))
+    return {"contrast": float(contrast), "se": se, "p": float(welch), "low_gap": float(lo.mean()),
+            "low_interval": (float(lo.mean() - half), float(lo.mean() + half)), "low_n": len(lo),
+            "high_n": len(hi)}
+
+
+def short_share(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
+                a: str, b: str, level: int, short: int = SHORT_TOKENS) -> tuple[float, float, int]:
+    """On one level: (the gap A - B over all pairs, the part of it from pairs where A's or B's reply has
+    fewer than `short` tokens (their summed difference over all pairs), how many such pairs)."""
+    pairs = [(p, s) for (c, p, s) in scores if c == a and (b, p, s) in scores and graded.level_of(p) == level]
+    if not pairs:
+        return float("nan"), float("nan"), 0
+    diff = {u: scores[(a, *u)] - scores[(b, *u)] for u in pairs}
+    shorts = [u for u in pairs if min(tokens[(a, *u)], tokens[(b, *u)]) < short]
+    return (sum(diff.values()) / len(pairs), sum(diff[u] for u in shorts) / len(pairs), len(shorts))
+
+
+def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int) -> float:
+    """log(right / wrong) of one configuration on one level, with 0.5 added to both counts."""
+    values = [v for (c, p, _), v in scores.items() if c == config and graded.level_of(p) == level]
+    right = sum(values)
+    return float(np.log((right + 0.5) / (len(values) - right + 0.5)))
+
+
+def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str) -> None:
+    """The held-out plan's level readings for one comparison: the contrast under every scoring, then,
+    under the suite's rule, each level's gap, its short-reply share and both sides' log-odds."""
+    for name, table in tables.items():
+        c = level_contrast(table, a, b)
+        lo, hi = c["low_interval"]
+        print(f"    levels {'+'.join(map(str, LOW_LEVELS))} minus the rest, {name}: {c['contrast']:+.3f} "
+              f"(se {c['se']:.3f}) Welch p {c['p']:.3g}; levels {'+'.join(map(str, LOW_LEVELS))}' gap "
+              f"{c['low_gap']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({c['low_n']} and {c['high_n']} problems)")
+    table = tables["stored"]
+    for level in range(1, graded.LEVELS + 1):
+        gap, from_short, n_short = short_share(table, tokens, a, b, level)
+        print(f"    level {level}: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
+              f"{from_short:+.3f} ({n_short} pairs); log-odds right {log_odds(table, a, level):+.2f} vs "
+              f"{log_odds(table, b, level):+.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--compare", nargs="*", help="A:B or 'A vs B' (default: the sweep.json's)")
+    parser.add_argument("--levels", action="store_true",
+                        help="also each comparison's level readings declared in qwen-graded-steps-heldout/"
+                             "PLAN.md: the levels-1-2 contrast under three scorings, per-level short-reply "
+                             "share and log-odds")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
     declared = args.compare
@@ -104,15 +180,17 @@ def main() -> None:
                 "graded-steps-heldout": graded.generate_steps_heldout}[suite]()
     prompts = {p["id"]: p["prompt"] for p in problems}
     generator_mismatch = sum(answer_from_prompt(p["prompt"]) != p["answer"] for p in problems)
-    stored, suite_rule, strict = {}, {}, {}
+    stored, suite_rule, strict, last, tokens = {}, {}, {}, {}, {}
     score_mismatch = unmarked = 0
     for r in rows:
         want = answer_from_prompt(prompts[r["prompt_id"]])
         key = (r["config"], r["prompt_id"], r["seed"])
         stored[key] = float(r["score"])
+        tokens[key] = int(r["tokens"])
         got, got_strict = reply_number(r["text"], False), reply_number(r["text"], True)
         suite_rule[key] = float(got is not None and got == want)
         strict[key] = float(got_strict is not None and got_strict == want)
+        last[key] = float(last_number(r["text"]) == want)
         unmarked += got_strict is None
         score_mismatch += suite_rule[key] != stored[key]
     print(f"{len(problems)} problems: answers recomputed from the prompts' words differ from the "
@@ -121,14 +199,18 @@ def main() -> None:
           f"the stored score in {score_mismatch}; replies with no answer marker ('####' or \\boxed): "
           f"{unmarked}")
     configs = sorted({r["config"] for r in rows})
-    for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
+    tables = {"stored": stored, "re-scored": suite_rule, "strict (marker)": strict, "last number": last}
+    for name, table in tables.items():
         means = {c: np.mean([v for (cc, _, _), v in table.items() if cc == c]) for c in configs}
         print(f"{name}: " + "; ".join(f"{c} {m:.3f}" for c, m in means.items()))
     for spec in declared:  # the sides resolved to configurations as the report does; the statistics are ours
         for found in comparisons.compare(rows, *comparisons.parse_comparison(spec)):
             a, b = found.config_a, found.config_b
-            for name, table in (("stored", stored), ("re-scored", suite_rule), ("strict (marker)", strict)):
+            for name, table in tables.items():
                 print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
+            if args.levels:
+                readings = ("stored", "strict (marker)", "last number")
+                print_levels({k: tables[k] for k in readings}, tokens, a, b)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import REPO, load_benchmark
+
+from scipy import stats
 
 from verispec.evaluation import comparisons, graded, scorers
 from verispec.evaluation.suites import DATA, load_suite
@@ -244,3 +247,29 @@ def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suit
     for row in rows:
         got = rescore.reply_number(row["text"], strict=False)
         assert float(got == answers[row["prompt_id"]]) == row["score"], row["prompt_id"]
+
+
+def test_rescore_graded_level_readings_on_constructed_scores():
+    """The held-out plan's readings (benchmarks/rescore_graded.py): the levels-1-2 contrast equals the
+    difference of the two groups' per-problem mean gaps, with Welch's p from scipy; the short-reply share
+    counts only pairs with a reply under 40 tokens; the last-number scoring ignores an early '####'."""
+    rescore = load_benchmark("rescore_graded")
+    assert rescore.last_number("#### 621\n640 - 3 = 637") == 637
+    assert rescore.reply_number("#### 621\n640 - 3 = 637", strict=False) == 621
+    scores, tokens = {}, {}
+    gaps = {1: [-1, -1, 0, 0], 2: [-1, 0, 0, 0], 3: [0, 0, 1, -1], 4: [0, 1, 0, 0], 5: [0, -1, 0, 0]}
+    for level, diffs in gaps.items():
+        for n, d in enumerate(diffs):
+            pid = f"graded-steps-heldout-L{level}-{n:02d}"
+            scores[("gate", pid, 2)], scores[("honest", pid, 2)] = float(d >= 0), float(d <= 0)
+            tokens[("gate", pid, 2)], tokens[("honest", pid, 2)] = (12 if n == 0 else 90), 90
+    got = rescore.level_contrast(scores, "gate", "honest")
+    low, high = np.array(gaps[1] + gaps[2], float), np.array(gaps[3] + gaps[4] + gaps[5], float)
+    assert got["contrast"] == pytest.approx(low.mean() - high.mean()) == pytest.approx(-3 / 8 - 0)
+    assert got["p"] == pytest.approx(stats.ttest_ind(low, high, equal_var=False).pvalue)
+    assert (got["low_n"], got["high_n"]) == (8, 12) and got["low_gap"] == pytest.approx(-3 / 8)
+    # level 1: gap -2/4; the short pair (problem 00, 12 tokens) carries -1/4 of it
+    assert rescore.short_share(scores, tokens, "gate", "honest", 1) == (-0.5, -0.25, 1)
+    assert rescore.short_share(scores, tokens, "gate", "honest", 4) == (0.25, 0.0, 1)
+    assert rescore.log_odds(scores, "honest", 1) == pytest.approx(np.log(4.5 / 0.5))
+    assert rescore.log_odds(scores, "gate", 1) == pytest.approx(np.log(2.5 / 2.5))
