@@ -81,31 +81,31 @@ def last_number(text: str) -> float | None:
     return numbers[-1] if numbers else None
 
 
-def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
-    units = sorted({(p, s) for (c, p, s) in scores if c == a} & {(p, s) for (c, p, s) in scores if c == b})
-    per_problem: dict[str, list[float]] = defaultdict(list)
-    wins = losses = 0
-    for p, s in units:
-        d = scores[(a, p, s)] - scores[(b, p, s)]
-        per_problem[p].append(d)
-        wins += d > 0
-        losses += d < 0
-    diffs = np.array([np.mean(v) for v in per_problem.values()])
-    mean = diffs.mean()
-    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
-    t_p = stats.ttest_1samp(diffs, 0.0).pvalue if diffs.std() > 0 else 1.0
-    mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
-    return (f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] t-test p {t_p:.3g}; "
-            f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({len(per_problem)} problems, {len(units)} pairs)")
+def _pairs(scores: dict[tuple[str, str, int], float], a: str, b: str) -> dict[tuple[str, int], float]:
+    """(problem, seed) -> A - B, on the units both configurations have."""
+    return {(p, s): v - scores[(b, p, s)]
+            for (c, p, s), v in scores.items() if c == a and (b, p, s) in scores}
 
 
 def _per_problem(scores: dict[tuple[str, str, int], float], a: str, b: str) -> dict[str, float]:
     """problem -> the mean of A - B over its seeds (the problem is the cluster)."""
     diffs: dict[str, list[float]] = defaultdict(list)
-    for (c, p, s), v in scores.items():
-        if c == a and (b, p, s) in scores:
-            diffs[p].append(v - scores[(b, p, s)])
+    for (p, _), d in _pairs(scores, a, b).items():
+        diffs[p].append(d)
     return {p: float(np.mean(v)) for p, v in diffs.items()}
+
+
+def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
+    pairs = _pairs(scores, a, b)
+    per_problem = _per_problem(scores, a, b)
+    wins, losses = sum(d > 0 for d in pairs.values()), sum(d < 0 for d in pairs.values())
+    diffs = np.array(list(per_problem.values()))
+    mean = diffs.mean()
+    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
+    t_p = stats.ttest_1samp(diffs, 0.0).pvalue if diffs.std() > 0 else 1.0
+    mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
+    return (f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] t-test p {t_p:.3g}; "
+            f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({len(per_problem)} problems, {len(pairs)} pairs)")
 
 
 def level_contrast(scores: dict[tuple[str, str, int], float], a: str, b: str,
@@ -130,12 +130,11 @@ def short_share(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[st
                 a: str, b: str, level: int, short: int = SHORT_TOKENS) -> tuple[float, float, int]:
     """On one level: (the gap A - B over all pairs, the part of it from pairs where A's or B's reply has
     fewer than `short` tokens (their summed difference over all pairs), how many such pairs)."""
-    pairs = [(p, s) for (c, p, s) in scores if c == a and (b, p, s) in scores and graded.level_of(p) == level]
-    if not pairs:
+    diff = {u: d for u, d in _pairs(scores, a, b).items() if graded.level_of(u[0]) == level}
+    if not diff:
         return float("nan"), float("nan"), 0
-    diff = {u: scores[(a, *u)] - scores[(b, *u)] for u in pairs}
-    shorts = [u for u in pairs if min(tokens[(a, *u)], tokens[(b, *u)]) < short]
-    return (sum(diff.values()) / len(pairs), sum(diff[u] for u in shorts) / len(pairs), len(shorts))
+    shorts = [u for u in diff if min(tokens[(a, *u)], tokens[(b, *u)]) < short]
+    return (sum(diff.values()) / len(diff), sum(diff[u] for u in shorts) / len(diff), len(shorts))
 
 
 def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int) -> float:
@@ -172,12 +171,10 @@ def main() -> None:
                              "share and log-odds")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
-    declared = args.compare
-    if declared is None:
-        declared = json.loads((args.sweep / "sweep.json").read_text()).get("compare") or []
-    suite = json.loads((args.sweep / "sweep.json").read_text())["suite"]
+    settings = json.loads((args.sweep / "sweep.json").read_text())
+    declared = args.compare if args.compare is not None else settings.get("compare") or []
     problems = {"graded-steps": graded.generate_steps,
-                "graded-steps-heldout": graded.generate_steps_heldout}[suite]()
+                "graded-steps-heldout": graded.generate_steps_heldout}[settings["suite"]]()
     prompts = {p["id"]: p["prompt"] for p in problems}
     generator_mismatch = sum(answer_from_prompt(p["prompt"]) != p["answer"] for p in problems)
     stored, suite_rule, strict, last, tokens = {}, {}, {}, {}, {}

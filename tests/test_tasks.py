@@ -193,7 +193,7 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
 @pytest.mark.parametrize("prefix", ["graded", "graded-steps", "graded-steps-heldout"])
 def test_level_table_on_constructed_rows(prefix):
     """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
-    level, and plain's own score falls by 1/2 a level; the same for either graded suite's ids."""
+    level, and plain's own score falls by 1/2 a level; the same for every graded suite's ids."""
     from verispec.evaluation.report import baseline_of
 
     gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
@@ -265,9 +265,12 @@ def test_rescore_graded_level_readings_on_constructed_scores():
             tokens[("gate", pid, 2)], tokens[("honest", pid, 2)] = (12 if n == 0 else 90), 90
     got = rescore.level_contrast(scores, "gate", "honest")
     low, high = np.array(gaps[1] + gaps[2], float), np.array(gaps[3] + gaps[4] + gaps[5], float)
-    assert got["contrast"] == pytest.approx(low.mean() - high.mean()) == pytest.approx(-3 / 8 - 0)
+    assert low.mean() - high.mean() == -3 / 8  # levels 3-5 sum to 0 by construction
+    assert got["contrast"] == pytest.approx(-3 / 8)
     assert got["p"] == pytest.approx(stats.ttest_ind(low, high, equal_var=False).pvalue)
     assert (got["low_n"], got["high_n"]) == (8, 12) and got["low_gap"] == pytest.approx(-3 / 8)
+    want = stats.t.interval(0.95, len(low) - 1, loc=low.mean(), scale=stats.sem(low))
+    assert got["low_interval"] == pytest.approx(want)
     # level 1: gap -2/4; the short pair (problem 00, 12 tokens) carries -1/4 of it
     assert rescore.short_share(scores, tokens, "gate", "honest", 1) == (-0.5, -0.25, 1)
     assert rescore.short_share(scores, tokens, "gate", "honest", 4) == (0.25, 0.0, 1)

@@ -154,6 +154,9 @@ def _chain(rng: random.Random, steps: int) -> tuple[str, str, int]:
     return text, expression, value
 
 
+_STEP_MAKERS = tuple(partial(_chain, steps=steps) for steps in STEPS_PER_LEVEL)
+
+
 def _generate(makers: Sequence[Maker], prefix: str, instruction: str, seed: int,
               per_level: int, exclude: frozenset[str] | set[str] = frozenset()) -> list[dict]:
     rng = random.Random(seed)
@@ -180,8 +183,7 @@ def generate(seed: int = SEED, per_level: int = PER_LEVEL) -> list[dict]:
 def generate_steps(seed: int = STEPS_SEED, per_level: int = PER_LEVEL) -> list[dict]:
     """The `graded-steps` problems, as `generate` (ids 'graded-steps-L<level>-<nn>'): level L chains
     STEPS_PER_LEVEL[L - 1] operations; the prompt asks for working by hand (STEPS_INSTRUCTION)."""
-    makers = [partial(_chain, steps=steps) for steps in STEPS_PER_LEVEL]
-    return _generate(makers, "graded-steps", STEPS_INSTRUCTION, seed, per_level)
+    return _generate(_STEP_MAKERS, "graded-steps", STEPS_INSTRUCTION, seed, per_level)
 
 
 def generate_steps_heldout(seed: int = STEPS_HELDOUT_SEED,
@@ -189,10 +191,8 @@ def generate_steps_heldout(seed: int = STEPS_HELDOUT_SEED,
     """The `graded-steps-heldout` problems (ids 'graded-steps-heldout-L<level>-<nn>'): `generate_steps`'s
     rule from another seed, with every question that `generate_steps()` also drew left out, so the two
     sets share no problem."""
-    makers = [partial(_chain, steps=steps) for steps in STEPS_PER_LEVEL]
     seen = {p["question"] for p in generate_steps()}
-    drawn = _generate(makers, "graded-steps-heldout", STEPS_INSTRUCTION, seed, per_level, exclude=seen)
-    return drawn
+    return _generate(_STEP_MAKERS, "graded-steps-heldout", STEPS_INSTRUCTION, seed, per_level, exclude=seen)
 
 
 def interleaved(problems: list[dict], key: str = "level") -> list[dict]:
