@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from verispec.evaluation.report import summarize
+from verispec.evaluation.report import summarize, terminal_table
 from verispec.rules import parse
 
 
@@ -199,7 +199,8 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     big = [row("lossless k=4 T=1", "lossless", p, 12, 1.2) for p in range(2, 4)]  # 100 tokens/s at 12
     summary = {s["config"]: s for s in summarize(plain + fast + big)}
     assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(2.0)  # batch-4 pairs only
-    assert summary["lossless k=4 T=1"]["batch_sizes"] == [4, 12]
+    assert summary["lossless k=4 T=1"]["speedup_batch_sizes"] == [4]  # the size the speedup was timed at
+    assert "at the same batch size: 4)" in terminal_table(list(summary.values()))
     alone = {s["config"]: s for s in summarize(plain + big)}
     assert math.isnan(alone["lossless k=4 T=1"]["speedup"])  # no pair at the same size: no figure
     # a row copied from another sweep (--reuse-from) was timed beside that sweep's plain rows, not these
@@ -207,6 +208,10 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     mixed = {s["config"]: s for s in summarize(plain + copied)}
     assert math.isnan(mixed["lossless k=4 T=1"]["speedup"]) and mixed["lossless k=4 T=1"]["units"] == 2
     assert mixed["lossless k=4 T=1"]["unpaired"] == 0 and mixed["lossless k=4 T=1"]["reused"] == 2
+    # every row copied, plain's too (--reuse-plain): the legend names no batch size it has no speedup at
+    all_copied = [{**r, "reused_from": "elsewhere"} for r in plain + fast]
+    legend = terminal_table(summarize(all_copied))
+    assert "at the same batch size: none measured in this sweep" in legend
     # --chunk: a work unit of 8 rows decoded 4 at a time; a row's share is the unit's seconds over its 8
     # rows, and it pairs only with a plain row of the same batch size and chunk
     chunked = [{**row("plain T=1", "plain", p, 4, 2.0), "chunk_size": 8} for p in range(4)]  # 40 tok/s

@@ -245,7 +245,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["speedup"] = math.nan
         s["tokens_per_second"] = (sum(r["tokens"] for r in group)
                                   / max(1e-9, sum(row_seconds(r) for r in group)))
-        s["batch_sizes"] = sorted({_batch_size(r) for r in group})
+        # the batch sizes the speedup was measured at (none where no row has a plain row timed beside it)
+        s["speedup_batch_sizes"] = sorted({_batch_size(a) for a, _ in pairs})
         s["reused"] = sum(1 for r in group if "reused_from" in r)
         steps = defaultdict(list)
         for r in group:
@@ -424,8 +425,10 @@ def terminal_table(summary: list[dict], markdown: bool = False, columns: Sequenc
 
 
 def _batch_sizes(summary: list[dict]) -> str:
-    sizes = sorted({b for s in summary for b in s.get("batch_sizes", [1])})
-    return ", ".join(map(str, sizes)) or "1"
+    """The batch sizes the table's speedups were measured at, or why there are none (a sweep whose rows
+    were all copied by --reuse-from, plain's included, timed nothing beside plain)."""
+    sizes = sorted({b for s in summary for b in s.get("speedup_batch_sizes", [])})
+    return ", ".join(map(str, sizes)) or "none measured in this sweep (see the notes)"
 
 
 # ------------------------------------------------------------------------------------------------
