@@ -163,6 +163,14 @@ def _drop_root(setpriv: str | None) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
 
 
+# In a new PID namespace the program would be its init (PID 1), and the kernel drops the signals an init
+# has no handler for, the resource limits' SIGXCPU and SIGXFSZ among them: the program then ran on to the
+# CPU limit's hard SIGKILL, which `unshare -f` (util-linux 2.38) cannot re-raise ("sigprocmask unblock
+# failed"), so the broken limit went unnamed. A shell as init that waits for the program (two commands,
+# so it does not exec it) leaves the program an ordinary process, and passes its death on as 128 + signal.
+_NOT_INIT = (shutil.which("sh") or "/bin/sh", "-c", '"$@"; exit $?', "sh")
+
+
 @functools.lru_cache(maxsize=1)
 def _unshare_prefix() -> tuple[str, ...]:
     """The fallback's namespaces: user + network + PID (`unshare -rnpf`), or network only, or none."""
@@ -243,7 +251,8 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
         else:
             os.chmod(tmp, 0o700)
             env["HOME"] = tmp
-            cmd = [*_unshare_prefix(), *inside, _python(), "-I", str(script)]
+            prefix = _unshare_prefix()
+            cmd = [*prefix, *(_NOT_INIT if "-rnpf" in prefix else ()), *inside, _python(), "-I", str(script)]
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, errors="replace",
