@@ -51,6 +51,19 @@ def test_emitted_equals_enumeration(spec, v):
             torch.testing.assert_close(law, p, rtol=0, atol=TOL, msg=f"lossless {spec} {name}")
 
 
+@pytest.mark.parametrize("spec", TOKEN_SPECS)
+def test_law_and_expected_acceptance_equal_their_definitions(spec):
+    """The diagnostics' one call (budget computes its law once for both) gives `emitted` and
+    sum_x q(x) accept(x), batched over rows."""
+    rule = parse(spec)
+    cs = cases(5, seed=11)
+    p, q = torch.stack([c[1] for c in cs]), torch.stack([c[2] for c in cs])  # [N, V]
+    law, expected = rule.law_and_expected_acceptance(p, q)
+    torch.testing.assert_close(law, rule.emitted(p, q), rtol=0, atol=TOL)
+    torch.testing.assert_close(expected, (q * rule.accept(p, q)).sum(-1), rtol=0, atol=TOL)
+    assert expected.shape == (len(cs),)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_emitted_batched_matches_rows(spec):
     rule = parse(spec)

@@ -115,10 +115,10 @@ def position_stats(rule: Rule | None, target_probs: Tensor, draft_probs: Tensor,
         if drafted.any():
             q = renormalised_f64(draft_probs[drafted])
             pd = p[drafted]
-            if laws is None:
+            if laws is None and rule.block_level:  # a block rule has no per-position acceptance probability
                 law[drafted] = rule.emitted_law(pd, q)
-                if not rule.block_level:  # a block rule has no per-position acceptance probability
-                    expected[drafted] = (q * rule.acceptance(pd, q)).sum(-1)
+            elif laws is None:
+                law[drafted], expected[drafted] = rule.law_and_expected_acceptance(pd, q)
             confidence[drafted] = q.amax(-1)
             over[drafted] = q.gather(-1, idx[drafted]).squeeze(-1) / pd.gather(-1, idx[drafted]).squeeze(-1)
         if laws is None and not drafted.all():

@@ -256,6 +256,13 @@ class Rule:
         """`emitted` without input checks: the exact law of the token emitted at a draft position."""
         return self._emitted(target_probs, draft_probs)
 
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        """(`emitted_law` [..., V], the expected acceptance sum_x q(x) accept(x) [...]) without input
+        checks: what the diagnostics need at a drafted position. A rule whose two share work overrides
+        it (budget: its law is the one it verifies against)."""
+        accept = self._accept(target_probs, draft_probs)
+        return self._emitted(target_probs, draft_probs), (draft_probs * accept).sum(-1)
+
     def bonus_law(self, target_probs: Tensor) -> Tensor:
         """The law of the bonus token (after every draft token was accepted): [..., V]."""
         return self._bonus(target_probs)

@@ -36,16 +36,18 @@ def _shares(give_room: Tensor, take_room: Tensor, tv_budget: float) -> tuple[Ten
     return moved, give_total, take_total
 
 
-def _share(room: Tensor, total: Tensor) -> Tensor:
-    """room / total, 0 where the total is 0 (as `normalize(room, 0)`)."""
-    return torch.where(total > 0, room / total.clamp_min(torch.finfo(room.dtype).tiny), 0.0)
+def _scale(moved: Tensor, total: Tensor) -> Tensor:
+    """moved / total [..., 1], 0 where the total is 0: the factor that spreads the moved mass over a
+    room in proportion to it (one division per row, not per token)."""
+    return torch.where(total > 0, moved / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
 
 
 def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tensor:
     """The law r the budget rule verifies against: [..., V]."""
     give_room, take_room = _rooms(p, q, ratio)
     moved, give_total, take_total = _shares(give_room, take_room, tv_budget)
-    return p - moved * _share(take_room, take_total) + moved * _share(give_room, give_total)
+    give_room.mul_(_scale(moved, give_total))  # [..., V]: what each token receives (the rooms are ours)
+    return give_room.sub_(take_room.mul_(_scale(moved, take_total))).add_(p)
 
 
 @register
@@ -74,9 +76,13 @@ class Budget(Rule):
         give_room, take_room = _rooms(p, q, self.ratio)
         moved, give_total, take_total = _shares(give_room, take_room, self.tv)
         pick = lambda t: t.gather(-1, x[..., None])  # noqa: E731  [..., 1]: the drafted tokens only
-        r_x = (pick(p) - moved * _share(pick(take_room), take_total)
-               + moved * _share(pick(give_room), give_total))
+        r_x = (pick(p) - _scale(moved, take_total) * pick(take_room)
+               + _scale(moved, give_total) * pick(give_room))
         return ratio_accept(r_x, pick(q))[..., 0]
+
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        r = budget_target(target_probs, draft_probs, self.tv, self.ratio)  # one r for both (it is the law)
+        return r, torch.minimum(draft_probs, r).sum(-1)  # sum_x q min(1, r/q) = sum_x min(q, r)
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         r = budget_target(p, q, self.tv, self.ratio)

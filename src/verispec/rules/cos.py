@@ -44,3 +44,7 @@ class CoS(Rule):
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
         return self.mixture(p, q)
+
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        mix = self.mixture(target_probs, draft_probs)  # the law; sum_x q min(1, mix/q) = sum_x min(q, mix)
+        return mix, draft_probs.minimum(mix).sum(-1)

@@ -57,6 +57,10 @@ class Honest(Rule):
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
         return self._baseline(p)
 
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        truncated = self._baseline(target_probs)  # the law; sum_x q min(1, p_A/q) = sum_x min(q, p_A)
+        return truncated, draft_probs.minimum(truncated).sum(-1)
+
     def _bonus(self, p: Tensor) -> Tensor:
         return self._baseline(p)
 

@@ -40,15 +40,20 @@ class Lenience(Rule):
         return ratio_accept(at(p, x) / self.l, at(q, x))
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        return self.law_and_expected_acceptance(p, q)[0]
+
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        p, q = target_probs, draft_probs
         kept = p / self.l
         torch.minimum(kept, q, out=kept)  # q * accept = min(q, p/l), in place
-        rejected = (1 - kept.sum(-1, keepdim=True)).clamp_min_(0)  # [..., 1]
+        accepted = kept.sum(-1, keepdim=True)  # [..., 1]: the expected acceptance, sum_x min(q, p/l)
+        rejected = (1 - accepted).clamp_min_(0)  # [..., 1]
         deficit = (p - q).clamp_min_(0)  # (p - q)+, normalised below (p itself where p == q)
         mass = deficit.sum(-1, keepdim=True)
         residual = deficit.div_(mass.clamp_min(torch.finfo(p.dtype).tiny))
         if not bool((mass > 0).all()):
             residual = torch.where(mass > 0, residual, p)
-        return kept.add_(residual.mul_(rejected))
+        return kept.add_(residual.mul_(rejected)), accepted[..., 0]
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         return normalize((p - q).clamp_min(0), p)

@@ -44,14 +44,19 @@ class TruncationRule(Rule):
         return self.gate_at(p, x).to(p.dtype)
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+        return self.law_and_expected_acceptance(p, q)[0]
+
+    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
+        p, q = target_probs, draft_probs
         gate = self.gate(p)
         kept = torch.where(gate, q, 0.0)  # q * 1_A
-        rejected = (1 - kept.sum(-1, keepdim=True)).clamp_min_(0)
+        accepted = kept.sum(-1, keepdim=True)  # [..., 1]: the expected acceptance q(A)
+        rejected = (1 - accepted).clamp_min_(0)
         if self.resample == "truncated":  # the baseline from the same gate, not recomputed
             residual = normalize(torch.where(gate, p, 0.0), p)
         else:
             residual = self._residual(p, q)
-        return kept.add_(residual * rejected)
+        return kept.add_(residual * rejected), accepted[..., 0]
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         if self.resample == "target":
