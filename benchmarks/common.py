@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from verispec.api import encode_prompt
 from verispec.evaluation.store import read_rows
 from verispec.evaluation.suites import load_suite
+from verispec.machine import describe
 from verispec.models import load_model
 from verispec.tables import text_table
 
@@ -29,24 +29,8 @@ PROMPTS = [
 def environment() -> dict:
     import transformers
 
-    cpu, flags = "", ""  # the model name first: platform.processor() says only "x86_64" on some machines
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                # the vector units that decide which kernels run (AVX2 only, AVX-512, bf16, AMX)
-                have = set(line.split(":", 1)[1].split())
-                units = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-                flags = " ".join(f for f in units if f in have)
-    except OSError:
-        pass
-    cpu = cpu or platform.processor()
-    gpu = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda} if torch.cuda.is_available() \
-        else {}
-    return {"cpu": cpu, "cpu_flags": flags, "torch_threads": torch.get_num_threads(), **gpu,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    machine = describe()  # cpu model, vector units (AVX2 only, AVX-512, bf16, AMX), threads, torch
+    return {**{k: v for k, v in machine.items() if k != "cpus"}, "transformers": transformers.__version__}
 
 
 def timed(fn) -> tuple[float, object]:

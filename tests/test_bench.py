@@ -21,7 +21,7 @@ from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.evaluation import load_results
 from verispec.evaluation.report import summarize, write_report
-from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows
+from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows, read_runs
 from verispec.models import load_drafter, load_model
 from verispec.rules import parse
 from verispec.sampling import SamplingConfig
@@ -158,6 +158,11 @@ def test_sweep_killed_and_resumed_equals_uninterrupted(tmp_path, capsys):
     # the resume and the first process wrote rows; the second did unless the first passed 13 rows
     assert len({r["run"] for r in rows}) in (2, 3)
     assert len({r["run"] for r in read_rows(full / "results.jsonl")}) == 1
+    # every process recorded its run and machine before decoding (runs.jsonl), the rows' runs among them
+    runs = read_runs(killed / "results.jsonl")
+    assert len(runs) in (2, 3) and {r["run"] for r in rows} <= set(runs)
+    assert all(r["machine"]["cpu"] and r["executor"] == "local" and r["batch_size"] == 1
+               for r in runs.values())
     # results load into pandas in one line
     frame = load_results(killed)
     assert len(frame) == len(expected) and {"config", "score", "mean_tv", "log_ratio"} <= set(frame.columns)

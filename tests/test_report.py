@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from verispec.evaluation.report import summarize, terminal_table
+from verispec.evaluation.report import machine_notes, summarize, terminal_table
+from verispec.machine import cpu_model_and_flags, describe
 from verispec.rules import parse
 
 
@@ -288,3 +289,30 @@ def test_load_notes_flag_chunks_far_below_their_configurations_median():
     # 3 tokens/s chunks would pull the median to 4 and hide the slow one)
     batch8 = [r for i in range(4) for r in chunk("lossless k=4 T=1", 20 + 2 * i, 6.6 + i / 1e3, batch_size=8)]
     assert load_notes(rows + batch8) == [note.replace("1 of 10", "1 of 14")]
+
+
+def test_the_report_names_the_machine_kinds_rows_were_decoded_on():
+    """A sweep resumed over sessions may run on an AVX-512/AMX Intel and an AVX2-only AMD: the report
+    names each kind with its rows (from runs.jsonl); runs recorded nowhere (older sweeps) say nothing."""
+    intel = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": "avx2 fma avx512f amx_bf16"}
+    amd = {"cpu": "AMD EPYC 9B14", "cpu_flags": "avx2 fma"}
+    rows = [{"run": "a", "config": "plain T=1"}] * 3 + [{"run": "b", "config": "plain T=1"}] * 2
+    rows += [{"run": "c", "config": "plain T=1", "reused_from": "elsewhere"}]  # its machine is elsewhere
+    (note,) = machine_notes(rows, {"a": {"machine": intel}, "b": {"machine": amd}, "c": {"machine": amd}})
+    assert note.startswith("decoded on 2 machine kinds (Intel(R) Xeon(R) Processor (avx2 fma avx512f "
+                           "amx_bf16): 3 row(s); AMD EPYC 9B14 (avx2 fma): 2 row(s))")
+    assert machine_notes(rows[:3], {"a": {"machine": intel}}) == [
+        "decoded on Intel(R) Xeon(R) Processor (avx2 fma avx512f amx_bf16): 3 row(s)"]
+    assert machine_notes(rows, {}) == []  # no run recorded: nothing to say
+    (mixed,) = machine_notes(rows, {"a": {"machine": intel}})
+    assert "not recorded: 2 row(s)" in mixed
+    assert machine_notes(rows, {"a": {"machine": None}, "b": {"machine": None}}) == []  # Ray: workers'
+
+
+def test_cpu_model_and_vector_units_are_read_from_cpuinfo():
+    cpuinfo = ("processor\t: 0\nmodel name\t: AMD EPYC 9B14\n"
+               "flags\t\t: fpu sse avx2 fma avx512f avx512_bf16\n"
+               "processor\t: 1\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n")
+    assert cpu_model_and_flags(cpuinfo) == ("AMD EPYC 9B14", "avx2 fma avx512f avx512_bf16")
+    here = describe()
+    assert here["cpu"] and here["cpus"] >= 1 and here["torch_threads"] >= 1

@@ -33,8 +33,9 @@ from typing import Sequence
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
-from verispec.evaluation.store import check_schema, results_file, scan_rows
+from verispec.evaluation.store import check_schema, read_runs, results_file, scan_rows
 from verispec.evaluation.suites import load_suite
+from verispec.machine import kind
 from verispec.tables import markdown_table, text_table
 from verispec.rules import honest_baseline, parse
 
@@ -742,6 +743,23 @@ def load_notes(rows: list[dict]) -> list[str]:
             "on a quiet machine: benchmarks/)"]
 
 
+def machine_notes(rows: list[dict], runs: dict[str, dict]) -> list[str]:
+    """A note naming the machine kinds (`verispec.machine.kind`: CPU model and vector units) the rows
+    decoded here ran on, from the runs' records (`store.read_runs`); none where no run was recorded.
+    Copied rows are left out (their machine is their source sweep's)."""
+    decoded = [r for r in rows if "reused_from" not in r]
+    counts = Counter(kind((runs.get(r.get("run")) or {}).get("machine")) for r in decoded)
+    if not counts or set(counts) == {"not recorded"}:
+        return []
+    named = "; ".join(f"{k}: {n} row(s)" for k, n in counts.most_common())
+    if len(counts) == 1:
+        return [f"decoded on {named}"]
+    return [f"decoded on {len(counts)} machine kinds ({named}): a speedup pairs rows of one run, so each "
+            "pair is timed on one machine, but pooled speedups and throughputs mix the kinds; the scores "
+            "are draws of the same laws wherever they ran, decoded with that machine's kernels (bf16 and "
+            "int4 rounding differ between CPU kinds)"]
+
+
 def score_notes(rows: list[dict]) -> list[str]:
     """A note counting and naming the rows whose score is not a finite number (NaN, inf, null, a string):
     they are left out of the score, its interval and the paired difference, so a column's n is smaller
@@ -847,6 +865,7 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     path, rows, notes = _read_sweep(results_dir)
     settings = _read_settings(path, notes)
     rows = first_problems(rows, problems, settings, notes)
+    notes += machine_notes(rows, read_runs(path))
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
 
@@ -869,7 +888,7 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
     notes += unit_set_notes(rows) + score_notes(rows) + timeout_notes(rows) + speedup_notes(summary)
-    notes += load_notes(rows)
+    notes += load_notes(rows) + machine_notes(rows, read_runs(path))
     for source, count in Counter(r["reused_from"] for r in rows if "reused_from" in r).items():
         notes.append(f"{count} row(s) copied from {source} (--reuse-from): decoded and timed there, so "
                      "their speedup is that sweep's report's, not this one's")

@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from verispec.machine import describe
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,31 @@ def results_file(location: str | Path) -> Path:
 def read_rows(path: Path) -> list[dict]:
     """Complete rows of a results file (a partial last line is ignored; bad lines are logged, skipped)."""
     return scan_rows(path).rows
+
+
+RUNS_FILE = "runs.jsonl"  # beside results.jsonl: one line per run (`record_run`)
+
+
+def record_run(out_dir: Path, run: str, executor: str, batch_size: int, chunk: int | None) -> dict:
+    """Append a run's record to OUT_DIR/runs.jsonl (written, flushed and fsync'ed before it decodes) and
+    return it: the `run` id its rows carry, its start (UTC), executor, batch and chunk size, and the
+    machine it decodes on (`verispec.machine.describe`; None under Ray, whose workers decode). A sweep
+    resumed over several sessions may run on machines of different kinds; the report names the mix."""
+    record = {"run": run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "executor": executor, "batch_size": batch_size, "chunk": chunk,
+              "machine": describe() if executor == "local" else None}
+    with (Path(out_dir) / RUNS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return record
+
+
+def read_runs(results_path: Path) -> dict[str, dict]:
+    """{run id: its record} from the runs.jsonl beside a results file ({} where there is none: sweeps
+    written before runs were recorded); unreadable lines are skipped and logged (`scan_rows`)."""
+    return {r["run"]: r for r in scan_rows(Path(results_path).parent / RUNS_FILE).rows
+            if isinstance(r.get("run"), str)}
 
 
 def check_schema(path: Path, rows: list[dict], lines: list[int] | None = None) -> None:

@@ -28,6 +28,7 @@ from verispec.evaluation.store import (
     ResultsFile,
     check_schema,
     read_rows,
+    record_run,
     results_file,
     scan_rows,
 )
@@ -173,6 +174,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 _check_resumable(spec_path, spec, suite_file=suite_file)
             spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
             reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
+            record_run(out_dir, run, executor, batch_size, chunk)
             pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run, chunk=chunk)
     return results_path
 
