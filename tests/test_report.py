@@ -9,6 +9,7 @@ import math
 import pytest
 
 from verispec.evaluation.report import machine_notes, summarize, terminal_table
+from verispec.evaluation.store import read_runs
 from verispec.machine import cpu_model_and_flags, describe
 from verispec.rules import parse
 
@@ -202,6 +203,7 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     assert summary["lossless k=4 T=1"]["speedup"] == pytest.approx(2.0)  # batch-4 pairs only
     assert summary["lossless k=4 T=1"]["speedup_batch_sizes"] == [4]  # the size the speedup was timed at
     assert "at the same batch size: 4)" in terminal_table(list(summary.values()))
+    assert summary["plain T=1"]["speedup_batch_sizes"] == []  # plain against itself measures nothing
     alone = {s["config"]: s for s in summarize(plain + big)}
     assert math.isnan(alone["lossless k=4 T=1"]["speedup"])  # no pair at the same size: no figure
     # a row copied from another sweep (--reuse-from) was timed beside that sweep's plain rows, not these
@@ -213,6 +215,8 @@ def test_speedup_pairs_rows_decoded_at_the_same_batch_size():
     all_copied = [{**r, "reused_from": "elsewhere"} for r in plain + fast]
     legend = terminal_table(summarize(all_copied))
     assert "at the same batch size: none measured in this sweep" in legend
+    # plain decoded here, the rule's rows copied: still no speedup, and the legend says so
+    assert "at the same batch size: none measured" in terminal_table(summarize(plain + copied))
     # --chunk: a work unit of 8 rows decoded 4 at a time; a row's share is the unit's seconds over its 8
     # rows, and it pairs only with a plain row of the same batch size and chunk
     chunked = [{**row("plain T=1", "plain", p, 4, 2.0), "chunk_size": 8} for p in range(4)]  # 40 tok/s
@@ -304,9 +308,26 @@ def test_the_report_names_the_machine_kinds_rows_were_decoded_on():
     assert machine_notes(rows[:3], {"a": {"machine": intel}}) == [
         "decoded on Intel(R) Xeon(R) Processor (avx2 fma avx512f amx_bf16): 3 row(s)"]
     assert machine_notes(rows, {}) == []  # no run recorded: nothing to say
-    (mixed,) = machine_notes(rows, {"a": {"machine": intel}})
-    assert "not recorded: 2 row(s)" in mixed
+    (mixed,) = machine_notes(rows, {"a": {"machine": intel}})  # one kind known, run b not recorded
+    assert mixed.startswith("decoded on Intel(R) Xeon(R) Processor (avx2 fma avx512f amx_bf16): 3 row(s); "
+                            "not recorded (a run before runs were recorded, or Ray workers): 2 row(s)")
+    assert "machine kinds" not in mixed  # an unrecorded run is not counted as another kind
     assert machine_notes(rows, {"a": {"machine": None}, "b": {"machine": None}}) == []  # Ray: workers'
+    # malformed records or run ids (valid JSON of the wrong type) are read as not recorded, never a crash
+    odd = [{"run": ["a"], "config": "plain T=1"}, {"config": "plain T=1"},
+           {"run": "a", "config": "plain T=1"}]
+    assert machine_notes(odd, {"a": {"machine": "Intel"}}) == []
+    assert machine_notes(odd, {"a": {"machine": intel}})[0].endswith("2 row(s)")
+
+
+def test_a_runs_file_that_cannot_be_read_leaves_the_report_intact(tmp_path, caplog):
+    (tmp_path / "runs.jsonl").mkdir()  # not a file: unreadable
+    with caplog.at_level("WARNING"):
+        assert read_runs(tmp_path / "results.jsonl") == {}
+    assert "left out of the report" in caplog.text
+    (tmp_path / "runs.jsonl").rmdir()
+    (tmp_path / "runs.jsonl").write_text('{"run": "a", "machine": null}\n[1]\n{"run": 3}\n')
+    assert read_runs(tmp_path / "results.jsonl") == {"a": {"run": "a", "machine": None}}
 
 
 def test_cpu_model_and_vector_units_are_read_from_cpuinfo():

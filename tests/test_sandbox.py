@@ -172,9 +172,9 @@ def test_without_bubblewrap_it_falls_back_and_says_why(monkeypatch, caplog):
     assert run_sandboxed("assert True").passed  # the fallback still runs programs, within the limits
     bomb = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
     assert bomb.limit == "memory limit"
-    # the limits delivered as signals are named too: in unshare's PID namespace the program would be
-    # init, which drops SIGXCPU and SIGXFSZ (measured: a spin loop ran on to the hard SIGKILL, reported
-    # as "unshare: sigprocmask unblock failed"); a shell init keeps it an ordinary process
+    # the CPU limit, delivered as SIGXCPU, is named too: in unshare's PID namespace the program would be
+    # init, which drops it (measured: a spin loop ran on to the hard SIGKILL, reported as "unshare:
+    # sigprocmask unblock failed"); a shell init keeps it an ordinary process
     spin = run_sandboxed("while True:\n    pass", timeout=10, limits=Limits(cpu_seconds=1))
     assert spin.limit == "cpu time limit", spin
     big = run_sandboxed("open('f', 'wb').write(bytes(2**21))", limits=Limits(file_bytes=2**20))

@@ -47,10 +47,8 @@ def describe() -> dict:
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), **gpu}
 
 
-def kind(machine: dict | None) -> str:
-    """A machine's kind as the report names it: the CPU model and its vector units (and the GPU), or
-    'not recorded' for a run that predates the record."""
-    if not machine:
-        return "not recorded"
+def kind(machine: dict) -> str:
+    """A machine's kind as the report names it (a `describe()` dict): the CPU model and its vector
+    units, and the GPU where there is one."""
     text = f"{machine.get('cpu') or '?'} ({machine.get('cpu_flags') or 'no listed vector units'})"
     return f"{text}, {machine['gpu']}" if machine.get("gpu") else text

@@ -246,8 +246,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["speedup"] = math.nan
         s["tokens_per_second"] = (sum(r["tokens"] for r in group)
                                   / max(1e-9, sum(row_seconds(r) for r in group)))
-        # the batch sizes the speedup was measured at (none where no row has a plain row timed beside it)
-        s["speedup_batch_sizes"] = sorted({_batch_size(a) for a, _ in pairs})
+        # the batch sizes a rule's speedup was measured at (none where no row has a plain row timed beside
+        # it); plain's rows pair with themselves (its 1.000), which measures nothing
+        s["speedup_batch_sizes"] = [] if r0["rule"] == "plain" else sorted({_batch_size(a) for a, _ in pairs})
         s["reused"] = sum(1 for r in group if "reused_from" in r)
         steps = defaultdict(list)
         for r in group:
@@ -743,15 +744,26 @@ def load_notes(rows: list[dict]) -> list[str]:
             "on a quiet machine: benchmarks/)"]
 
 
+def _machine_of(row: dict, runs: dict[str, dict]) -> str | None:
+    """The kind of machine a decoded row ran on (`verispec.machine.kind`), or None where its run left no
+    usable record (a run before runs were recorded, a Ray run: its workers decode, a malformed record)."""
+    run = runs.get(row["run"]) if isinstance(row.get("run"), str) else None
+    machine = run.get("machine") if isinstance(run, dict) else None
+    return kind(machine) if isinstance(machine, dict) else None
+
+
 def machine_notes(rows: list[dict], runs: dict[str, dict]) -> list[str]:
-    """A note naming the machine kinds (`verispec.machine.kind`: CPU model and vector units) the rows
-    decoded here ran on, from the runs' records (`store.read_runs`); none where no run was recorded.
-    Copied rows are left out (their machine is their source sweep's)."""
+    """A note naming the machine kinds (CPU model and vector units) the rows decoded here ran on, from the
+    runs' records (`store.read_runs`), with the rows whose machine is not recorded; nothing where no
+    decoded row's machine is. Copied rows are left out (their machine is their source sweep's)."""
     decoded = [r for r in rows if "reused_from" not in r]
-    counts = Counter(kind((runs.get(r.get("run")) or {}).get("machine")) for r in decoded)
-    if not counts or set(counts) == {"not recorded"}:
+    counts = Counter(_machine_of(r, runs) for r in decoded)
+    unknown = counts.pop(None, 0)
+    if not counts:
         return []
     named = "; ".join(f"{k}: {n} row(s)" for k, n in counts.most_common())
+    if unknown:
+        named += f"; not recorded (a run before runs were recorded, or Ray workers): {unknown} row(s)"
     if len(counts) == 1:
         return [f"decoded on {named}"]
     return [f"decoded on {len(counts)} machine kinds ({named}): a speedup pairs rows of one run, so each "

@@ -34,7 +34,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,11 @@ def _drop_root(setpriv: str | None) -> list[str]:
 
 
 # In a new PID namespace the program would be its init (PID 1), and the kernel drops the signals an init
-# has no handler for, the resource limits' SIGXCPU and SIGXFSZ among them: the program then ran on to the
-# CPU limit's hard SIGKILL, which `unshare -f` (util-linux 2.38) cannot re-raise ("sigprocmask unblock
-# failed"), so the broken limit went unnamed. A shell as init that waits for the program (two commands,
-# so it does not exec it) leaves the program an ordinary process, and passes its death on as 128 + signal.
+# has no handler for, the CPU limit's SIGXCPU among them: the program then ran on to the limit's hard
+# SIGKILL, which `unshare -f` (util-linux 2.38) cannot re-raise ("sigprocmask unblock failed"), so the
+# broken limit went unnamed. (SIGXFSZ is not affected: CPython ignores it and names the OSError.) A shell
+# as init that waits for the program (the `exit` after it, so it does not exec it) leaves the program an
+# ordinary process and passes its death on as 128 + signal; the process limit counts the shell.
 _NOT_INIT = (shutil.which("sh") or "/bin/sh", "-c", '"$@"; exit $?', "sh")
 
 
@@ -233,6 +234,10 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
     cpu_seconds = limits.cpu_seconds or int(timeout) + 1
     kind, _ = isolation()
     root = os.geteuid() == 0
+    prefix = () if kind == "bwrap" else _unshare_prefix()
+    shell_init = "-rnpf" in prefix  # the fallback's PID namespace gets a shell as init (_NOT_INIT) ...
+    if shell_init:  # ... which is one more process of the sandbox's: the program keeps its own count
+        limits = replace(limits, processes=limits.processes + 1)
     inside, nproc_before = _process_limit(limits, root)
     with tempfile.TemporaryDirectory(prefix="verispec-exec-") as tmp:
         script = Path(tmp) / "program.py"
@@ -251,8 +256,7 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
         else:
             os.chmod(tmp, 0o700)
             env["HOME"] = tmp
-            prefix = _unshare_prefix()
-            cmd = [*prefix, *(_NOT_INIT if "-rnpf" in prefix else ()), *inside, _python(), "-I", str(script)]
+            cmd = [*prefix, *(_NOT_INIT if shell_init else ()), *inside, _python(), "-I", str(script)]
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, errors="replace",

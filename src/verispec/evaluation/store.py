@@ -111,9 +111,14 @@ def record_run(out_dir: Path, run: str, executor: str, batch_size: int, chunk: i
 
 def read_runs(results_path: Path) -> dict[str, dict]:
     """{run id: its record} from the runs.jsonl beside a results file ({} where there is none: sweeps
-    written before runs were recorded); unreadable lines are skipped and logged (`scan_rows`)."""
-    return {r["run"]: r for r in scan_rows(Path(results_path).parent / RUNS_FILE).rows
-            if isinstance(r.get("run"), str)}
+    written before runs were recorded); unreadable lines are skipped and logged (`scan_rows`), and an
+    unreadable file is logged and read as none (the record only adds a note to a report)."""
+    try:
+        scan = scan_rows(Path(results_path).parent / RUNS_FILE)
+    except ValueError as err:
+        log.warning("%s; the runs' machines are left out of the report", err)
+        return {}
+    return {r["run"]: r for r in scan.rows if isinstance(r.get("run"), str)}
 
 
 def check_schema(path: Path, rows: list[dict], lines: list[int] | None = None) -> None:
