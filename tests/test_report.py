@@ -4,11 +4,12 @@ exact test, t quantiles, percentiles, sequence KL, unit-set and timeout notes, s
 
 from __future__ import annotations
 
+import calendar
 import math
 
 import pytest
 
-from verispec.evaluation.report import machine_notes, summarize, terminal_table
+from verispec.evaluation.report import machine_notes, pace_note, summarize, terminal_table
 from verispec.evaluation.store import read_runs
 from verispec.machine import cpu_model_and_flags, describe
 from verispec.rules import parse
@@ -337,3 +338,20 @@ def test_cpu_model_and_vector_units_are_read_from_cpuinfo():
     assert cpu_model_and_flags(cpuinfo) == ("AMD EPYC 9B14", "avx2 fma avx512f avx512_bf16")
     here = describe()
     assert here["cpu"] and here["cpus"] >= 1 and here["torch_threads"] >= 1
+
+
+def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
+    """--progress: rows done of those planned, and the time the rest takes at the latest run's pace
+    (rows a minute from its start, which its id records, to the file's last write); copied rows count
+    as done, not as pace; no outcome in it."""
+    start = calendar.timegm((2026, 12, 5, 15, 0, 0, 0, 0, 0))
+    rows = [{"config": c, "prompt_id": str(p), "seed": 0, "run": "20261205T150000Z-abcdef"}
+            for p in range(30) for c in ("plain T=1", "lossless k=4 T=1")]  # 60 rows in the run
+    rows += [{"config": "plain T=1", "prompt_id": "99", "seed": 0, "run": "x", "reused_from": "elsewhere"}]
+    (note,) = pace_note(rows, 100, 2, start + 30 * 60)  # 61 of 400; 60 rows in 30 minutes: 2 a minute
+    assert note.startswith("progress: 61 of 400 rows (2 configurations x 100 problems x 2 seed(s)); "
+                           "the latest run (20261205T150000Z-abcdef) wrote 2.00 rows a minute")
+    assert "the other 339 rows take about 2.8 h" in note
+    assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
+                                                   "problems x 2 seed(s))"]  # under a minute: no pace
+    assert pace_note([], 100, 1, start) == [] and pace_note(rows, None, 1, start) == []

@@ -20,11 +20,13 @@ are over different problems, and only the paired columns compare like with like.
 from __future__ import annotations
 
 import base64
+import calendar
 import html
 import io
 import json
 import logging
 import math
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, median, stdev
@@ -871,6 +873,32 @@ def planned_problems(settings: dict) -> int | None:
         return None
 
 
+def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: float) -> list[str]:
+    """How many rows a sweep has of those it plans (`planned` problems x `seeds` x the configurations
+    its rows show), and, from the latest run (run ids begin with their UTC start), its rows a minute
+    between its start and `last_write` (the results file's modification time, epoch seconds) and the
+    time the rest would take at that pace; no outcome in it. Copied rows count as done, not as pace."""
+    if not rows or not planned:
+        return []
+    configs = {r["config"] for r in rows}
+    total = planned * seeds * len(configs)
+    done = len({(r["config"], r["prompt_id"], r["seed"]) for r in rows})
+    text = f"{done} of {total} rows ({len(configs)} configurations x {planned} problems x {seeds} seed(s))"
+    runs = sorted({r["run"] for r in rows if isinstance(r.get("run"), str) and "reused_from" not in r})
+    try:
+        start = calendar.timegm(time.strptime(runs[-1][:16], "%Y%m%dT%H%M%SZ")) if runs else None
+    except ValueError:
+        start = None
+    minutes = (last_write - start) / 60 if start is not None else 0.0
+    if minutes <= 1 or done >= total:
+        return [f"progress: {text}"]
+    rate = sum(1 for r in rows if r.get("run") == runs[-1] and "reused_from" not in r) / minutes
+    hours = (total - done) / rate / 60
+    return [f"progress: {text}; the latest run ({runs[-1]}) wrote {rate:.2f} rows a minute from its start "
+            f"to the last write, so the other {total - done} rows take about {hours:.1f} h at that pace "
+            "(on this machine and load)"]
+
+
 def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     """`comparisons.progress_table` of a sweep's readable rows and its sweep.json: how far it is against
     its declared comparisons and looks, with no outcome in it (`problems`: as `write_report`)."""
@@ -878,6 +906,8 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     settings = _read_settings(path, notes)
     rows = first_problems(rows, problems, settings, notes)
     notes += machine_notes(rows, read_runs(path))
+    notes += pace_note(rows, problems or planned_problems(settings), len(settings.get("seeds") or [0]),
+                       path.stat().st_mtime)
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
 
