@@ -283,7 +283,16 @@ def test_load_notes_flag_chunks_far_below_their_configurations_median():
     (note,) = load_notes(rows)
     assert note.startswith("speed: 1 of 10 chunks")
     assert "lossless k=4 T=1 (2 rows, P/6 seed 0 to P/7 seed 0) at 4 tokens/s" in note
-    assert "(0.38x)" in note  # 4 against the median 20 / 1.902 = 10.5
+    assert "(0.38x)" in note  # 4 against the median 20 / 1.902 = 10.5; no passes recorded: no cause read
+    # why: a row's wall seconds per target pass. Passes 3x as slow as the median chunk's: the machine's
+    # load; at their usual speed: the chunk's shape (e.g. a long reply keeping the batch part-empty)
+    timed = [{**r, "target_calls": 5, "seconds": 3.0 if r["batch_seconds"] == 5.0 else 1.0} for r in rows]
+    (loaded,) = load_notes(timed)
+    assert "(0.38x; its passes 3.00x as slow); in 1 of the 1 the target passes themselves" in loaded
+    assert "usual speed" not in loaded
+    (shape,) = load_notes([{**r, "seconds": 1.0} for r in timed])
+    assert "(0.38x; its passes 1.00x as slow); in 0 of the 1" in shape
+    assert "in 1 they ran at about their usual speed, so the chunk was slow for its shape" in shape
     assert load_notes([r for r in rows if r["config"] == "plain T=1"]) == []
     assert load_notes(rows[:12]) == []  # three chunks of each: too few for a median
     assert load_notes([{**r, "reused_from": "x"} if r["batch_seconds"] == 5.0 else r for r in rows]) == []

@@ -706,6 +706,14 @@ def speedup_notes(summary: list[dict]) -> list[str]:
 
 
 SLOW_CHUNK = 0.5  # a chunk below this fraction of its configuration's median chunk throughput is flagged
+SLOW_PASS = 1.5  # ... and called load when its rows' seconds per target pass exceed this x their median
+
+
+def _pass_seconds(group: list[dict]) -> float:
+    """The median over a chunk's rows of a row's wall seconds per target pass (NaN without passes): the
+    passes' own speed, whatever the batch's occupancy."""
+    per_pass = [float(r["seconds"]) / r["target_calls"] for r in group if r.get("target_calls", 0) > 0]
+    return median(per_pass) if per_pass else math.nan
 
 
 def load_notes(rows: list[dict]) -> list[str]:
@@ -714,8 +722,11 @@ def load_notes(rows: list[dict]) -> list[str]:
     unit's wall time, which its rows share); rows without `batch_seconds` (written before chunks) and
     copied rows are left out. Its throughput (tokens over `row_seconds`) is compared with the median of
     its configuration's chunks at the same batch and chunk size (at least 4 of them); under SLOW_CHUNK x
-    that median it is named. On a shared machine that is usually another job; the speedup column pairs
-    rows within a run, so it takes such a chunk at face value."""
+    that median it is named. Why it was slow is read from its passes: where its rows' seconds per target
+    pass (`_pass_seconds`) exceed SLOW_PASS x the median chunk's, the passes themselves ran slow (another
+    job on the machine); otherwise they ran at their usual speed and the chunk was slow for its shape
+    (reply lengths that leave the batch part-empty, long prompts). The speedup column pairs rows within
+    a run, so it takes such a chunk at face value."""
     chunks: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         if "reused_from" not in row and "batch_seconds" in row and row_seconds(row) > 0:
@@ -725,25 +736,34 @@ def load_notes(rows: list[dict]) -> list[str]:
     for key, group in chunks.items():
         rate = sum(r["tokens"] for r in group) / sum(row_seconds(r) for r in group)  # tokens/s
         by_setting[key[:3]].append((rate, group))
-    slow, total = [], 0  # slow: (share of the median, tokens/s, median tokens/s, rows) per slow chunk
+    # slow: (share of the median, tokens/s, median tokens/s, pass time x the median's, rows) per slow chunk
+    slow, total = [], 0
     for found in by_setting.values():
         if len(found) < 4:
             continue
         total += len(found)
         typical = median(rate for rate, _ in found)
-        slow += [(rate / typical, rate, typical, group) for rate, group in found
-                 if rate < SLOW_CHUNK * typical]
+        typical_pass = median(_pass_seconds(group) for _, group in found)
+        slow += [(rate / typical, rate, typical, _pass_seconds(group) / typical_pass, group)
+                 for rate, group in found if rate < SLOW_CHUNK * typical]
     if not slow:
         return []
-    share, rate, typical, group = min(slow, key=lambda s: s[0])
+    timed = [s for s in slow if math.isfinite(s[3])]  # rows that record their target passes
+    loaded = sum(1 for s in timed if s[3] > SLOW_PASS)
+    why = (f"; in {loaded} of the {len(timed)} the target passes themselves ran over {SLOW_PASS:g}x as slow "
+           "as in the median chunk (another job on the machine)") if timed else ""
+    if loaded < len(timed):
+        why += (f"; in {len(timed) - loaded} they ran at about their usual speed, so the chunk was slow for "
+                "its shape (e.g. uneven reply lengths leaving the batch part-empty)")
+    share, rate, typical, pass_ratio, group = min(slow, key=lambda s: s[0])
     units = sorted((r.get("prompt_index", 0), r["prompt_id"], r["seed"]) for r in group)
     return [f"speed: {len(slow)} of {total} chunks (a work unit's rows of one configuration) ran below "
             f"{SLOW_CHUNK:g}x their configuration's median throughput, the slowest {group[0]['config']} "
             f"({len(group)} rows, {units[0][1]} seed {units[0][2]} to {units[-1][1]} seed {units[-1][2]}) "
-            f"at {rate:.3g} tokens/s against {typical:.3g} ({share:.2f}x): usually another job on the "
-            "machine (a chunk of very uneven reply lengths can also run slow); the speedup column counts "
-            "them as decoded, so on a shared machine it measures the load as well as the rule (time speed "
-            "on a quiet machine: benchmarks/)"]
+            f"at {rate:.3g} tokens/s against {typical:.3g} ({share:.2f}x"
+            + (f"; its passes {pass_ratio:.2f}x as slow" if math.isfinite(pass_ratio) else "")
+            + f"){why}. The speedup column counts them as decoded, so on a shared machine it measures "
+            "the load as well as the rule (time speed on a quiet machine: benchmarks/)"]
 
 
 def _machine_of(row: dict, runs: dict[str, dict]) -> str | None:
