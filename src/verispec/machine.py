@@ -2,8 +2,9 @@
 runs (AVX2 only, AVX-512, AVX512-BF16, AMX), the CPUs this process may use, torch's version and thread
 count, and the GPU where there is one.
 
-Benchmarks print it; a sweep records it per run (`runs.jsonl`, docs/design.md 'Sweeps'), since a sweep
-resumed over several sessions may run on machines of different kinds, and the report names the mix.
+Benchmarks print it; a sweep records it per run (`runs.jsonl`; docs/design.md, 'Words', speedup), since
+a sweep resumed over several sessions may run on machines of different kinds, and the report names the
+mix.
 """
 
 from __future__ import annotations
