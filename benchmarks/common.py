@@ -29,8 +29,8 @@ PROMPTS = [
 def environment() -> dict:
     import transformers
 
-    machine = describe()  # cpu model, vector units (AVX2 only, AVX-512, bf16, AMX), threads, torch
-    return {**{k: v for k, v in machine.items() if k != "cpus"}, "transformers": transformers.__version__}
+    # cpu model, vector units (AVX2 only, AVX-512, bf16, AMX), usable CPUs, threads, torch
+    return {**describe(), "transformers": transformers.__version__}
 
 
 def timed(fn) -> tuple[float, object]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import calendar
 import math
+import time
 
 import pytest
 
 from verispec.evaluation.report import machine_notes, pace_note, summarize, terminal_table
-from verispec.evaluation.store import read_runs
+from verispec.evaluation.store import read_runs, run_started
+from verispec.evaluation.sweep import new_run_id
 from verispec.machine import cpu_model_and_flags, describe
 from verispec.rules import parse
 
@@ -364,3 +366,5 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
                                                    "problems x 2 seed(s))"]  # under a minute: no pace
     assert pace_note([], 100, 1, start) == [] and pace_note(rows, None, 1, start) == []
+    assert run_started("20261205T150000Z-abcdef") == start and run_started("x") is None
+    assert abs(run_started(new_run_id()) - time.time()) < 5  # the id's form and its reading agree

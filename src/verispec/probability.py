@@ -143,6 +143,12 @@ def _f64(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a.to(torch.float64), b.to(torch.float64)
 
 
+def overlap(draft_probs: Tensor, law: Tensor) -> Tensor:
+    """sum_x min(q(x), r(x)) [...]: the expected acceptance sum_x q min(1, r/q) of a draft q verified
+    losslessly against the law r (1 - TV(q, r) for laws), in their own dtype."""
+    return torch.minimum(draft_probs, law).sum(-1)
+
+
 def tv(a: Tensor, b: Tensor) -> Tensor:
     """Total variation distance: sum |a - b| / 2."""
     a, b = _f64(a, b)

@@ -20,13 +20,11 @@ are over different problems, and only the paired columns compare like with like.
 from __future__ import annotations
 
 import base64
-import calendar
 import html
 import io
 import json
 import logging
 import math
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, median, stdev
@@ -35,7 +33,7 @@ from typing import Sequence
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
-from verispec.evaluation.store import check_schema, read_runs, results_file, scan_rows
+from verispec.evaluation.store import check_schema, read_runs, results_file, run_started, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.machine import kind
 from verispec.tables import markdown_table, text_table
@@ -732,20 +730,20 @@ def load_notes(rows: list[dict]) -> list[str]:
         if "reused_from" not in row and "batch_seconds" in row and row_seconds(row) > 0:
             chunks[(row["config"], _batch_size(row), _chunk_size(row), row.get("run"),
                     row["batch_seconds"])].append(row)
-    by_setting: dict[tuple, list[tuple[float, list[dict]]]] = defaultdict(list)
+    by_setting: dict[tuple, list[tuple[float, float, list[dict]]]] = defaultdict(list)
     for key, group in chunks.items():
         rate = sum(r["tokens"] for r in group) / sum(row_seconds(r) for r in group)  # tokens/s
-        by_setting[key[:3]].append((rate, group))
+        by_setting[key[:3]].append((rate, _pass_seconds(group), group))
     # slow: (share of the median, tokens/s, median tokens/s, pass time x the median's, rows) per slow chunk
     slow, total = [], 0
     for found in by_setting.values():
         if len(found) < 4:
             continue
         total += len(found)
-        typical = median(rate for rate, _ in found)
-        typical_pass = median(_pass_seconds(group) for _, group in found)
-        slow += [(rate / typical, rate, typical, _pass_seconds(group) / typical_pass, group)
-                 for rate, group in found if rate < SLOW_CHUNK * typical]
+        typical = median(rate for rate, _, _ in found)
+        typical_pass = median(pass_s for _, pass_s, _ in found)
+        slow += [(rate / typical, rate, typical, pass_s / typical_pass, group)
+                 for rate, pass_s, group in found if rate < SLOW_CHUNK * typical]
     if not slow:
         return []
     timed = [s for s in slow if math.isfinite(s[3])]  # rows that record their target passes
@@ -905,10 +903,7 @@ def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: flo
     done = len({(r["config"], r["prompt_id"], r["seed"]) for r in rows})
     text = f"{done} of {total} rows ({len(configs)} configurations x {planned} problems x {seeds} seed(s))"
     runs = sorted({r["run"] for r in rows if isinstance(r.get("run"), str) and "reused_from" not in r})
-    try:
-        start = calendar.timegm(time.strptime(runs[-1][:16], "%Y%m%dT%H%M%SZ")) if runs else None
-    except ValueError:
-        start = None
+    start = run_started(runs[-1]) if runs else None
     minutes = (last_write - start) / 60 if start is not None else 0.0
     if minutes <= 1 or done >= total:
         return [f"progress: {text}"]
@@ -925,11 +920,11 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     path, rows, notes = _read_sweep(results_dir)
     settings = _read_settings(path, notes)
     rows = first_problems(rows, problems, settings, notes)
+    planned = planned_problems(settings)  # loads the suite: once
     notes += machine_notes(rows, read_runs(path))
-    notes += pace_note(rows, problems or planned_problems(settings), len(settings.get("seeds") or [0]),
-                       path.stat().st_mtime)
+    notes += pace_note(rows, problems or planned, len(settings.get("seeds") or [0]), path.stat().st_mtime)
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
-                          planned_problems(settings)) + "".join(f"\nnote: {n}" for n in notes)
+                          planned) + "".join(f"\nnote: {n}" for n in notes)
 
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,

@@ -11,6 +11,7 @@ directory exclusive (`fcntl.flock`, non-blocking): a second writer is refused wi
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import os
@@ -92,6 +93,15 @@ def read_rows(path: Path) -> list[dict]:
 
 
 RUNS_FILE = "runs.jsonl"  # beside results.jsonl: one line per run (`record_run`)
+RUN_TIME = "%Y%m%dT%H%M%SZ"  # a run id begins with its UTC start in this format (`sweep.new_run_id`)
+
+
+def run_started(run: str) -> float | None:
+    """A run id's UTC start, epoch seconds (None for an id not of `sweep.new_run_id`'s form)."""
+    try:
+        return float(calendar.timegm(time.strptime(run[:16], RUN_TIME)))
+    except ValueError:
+        return None
 
 
 def record_run(out_dir: Path, run: str, executor: str, batch_size: int, chunk: int | None) -> dict:

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 from verispec import defaults
 from verispec.evaluation.ray_executor import RayPool, check_ray_spec, import_ray
 from verispec.evaluation.store import (
+    RUN_TIME,
     SCHEMA_VERSION,
     DirectoryLock,
     ResultsFile,
@@ -52,7 +53,7 @@ def new_run_id() -> str:
     hex digits): the report pairs a row with a plain row for its speedup only within one run, since
     rows timed in another process (a sweep resumed part-way through a chunk) or another sweep
     (`--reuse-from`) were timed under other conditions."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+    return time.strftime(RUN_TIME, time.gmtime()) + "-" + secrets.token_hex(3)
 
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.probability import normalize, ratio_accept
+from verispec.probability import normalize, overlap, ratio_accept
 from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
 
@@ -82,7 +82,7 @@ class Budget(Rule):
 
     def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
         r = budget_target(target_probs, draft_probs, self.tv, self.ratio)  # one r for both (it is the law)
-        return r, torch.minimum(draft_probs, r).sum(-1)  # sum_x q min(1, r/q) = sum_x min(q, r)
+        return r, overlap(draft_probs, r)
 
     def _residual(self, p: Tensor, q: Tensor) -> Tensor:
         r = budget_target(p, q, self.tv, self.ratio)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.probability import at, normalize, ratio_accept
+from verispec.probability import at, normalize, overlap, ratio_accept
 from verispec.rules.base import Param, Rule
 from verispec.rules.registry import register
 
@@ -46,5 +46,5 @@ class CoS(Rule):
         return self.mixture(p, q)
 
     def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
-        mix = self.mixture(target_probs, draft_probs)  # the law; sum_x q min(1, mix/q) = sum_x min(q, mix)
-        return mix, draft_probs.minimum(mix).sum(-1)
+        mix = self.mixture(target_probs, draft_probs)  # the law it verifies against
+        return mix, overlap(draft_probs, mix)

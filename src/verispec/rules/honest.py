@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.probability import at, normalize, ratio_accept
+from verispec.probability import at, normalize, overlap, ratio_accept
 from verispec.rules.base import Rule
 from verispec.rules.registry import register
 from verispec.rules.truncation import TruncationRule
@@ -58,8 +58,8 @@ class Honest(Rule):
         return self._baseline(p)
 
     def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
-        truncated = self._baseline(target_probs)  # the law; sum_x q min(1, p_A/q) = sum_x min(q, p_A)
-        return truncated, draft_probs.minimum(truncated).sum(-1)
+        truncated = self._baseline(target_probs)  # the law it verifies against
+        return truncated, overlap(draft_probs, truncated)
 
     def _bonus(self, p: Tensor) -> Tensor:
         return self._baseline(p)
