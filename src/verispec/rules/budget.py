@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.probability import normalize, overlap, ratio_accept
-from verispec.rules.base import Param, Rule
+from verispec.rules.base import Param
+from verispec.rules.law import LawRule
 from verispec.rules.registry import register
 
 
@@ -52,7 +52,7 @@ def budget_target(p: Tensor, q: Tensor, tv_budget: float, ratio: float) -> Tenso
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Budget(Rule):
+class Budget(LawRule):
     name = "budget"
     family = "bounded"
     source = "verispec (docs/design.md, budget): max acceptance s.t. TV(r,p) <= tv, r <= ratio*p"
@@ -69,24 +69,13 @@ class Budget(Rule):
     def lossless(self) -> bool:  # type: ignore[override]
         return self.tv == 0 or self.ratio == 1
 
-    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
-        return ratio_accept(budget_target(p, q, self.tv, self.ratio), q)
+    def _law(self, p: Tensor, q: Tensor) -> Tensor:
+        return budget_target(p, q, self.tv, self.ratio)
 
-    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+    def _law_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
         give_room, take_room = _rooms(p, q, self.ratio)
         moved, give_total, take_total = _shares(give_room, take_room, self.tv)
         pick = lambda t: t.gather(-1, x[..., None])  # noqa: E731  [..., 1]: the drafted tokens only
         r_x = (pick(p) - _scale(moved, take_total) * pick(take_room)
                + _scale(moved, give_total) * pick(give_room))
-        return ratio_accept(r_x, pick(q))[..., 0]
-
-    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
-        r = budget_target(target_probs, draft_probs, self.tv, self.ratio)  # one r for both (it is the law)
-        return r, overlap(draft_probs, r)
-
-    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
-        r = budget_target(p, q, self.tv, self.ratio)
-        return normalize((r - q).clamp_min(0), r)
-
-    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
-        return budget_target(p, q, self.tv, self.ratio)
+        return r_x[..., 0]

@@ -9,14 +9,15 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.probability import at, normalize, overlap, ratio_accept
-from verispec.rules.base import Param, Rule
+from verispec.probability import at
+from verispec.rules.base import Param
+from verispec.rules.law import LawRule
 from verispec.rules.registry import register
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class CoS(Rule):
+class CoS(LawRule):
     name = "cos"
     family = "collaborative"
     source = "Fu et al. 2025 (CoS, weighted ensemble verified losslessly)"
@@ -32,19 +33,8 @@ class CoS(Rule):
     def mixture(self, p: Tensor, q: Tensor) -> Tensor:
         return (1 - self.w) * p + self.w * q
 
-    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
-        return ratio_accept(self.mixture(p, q), q)
-
-    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
-        return ratio_accept(self.mixture(at(p, x), at(q, x)), at(q, x))
-
-    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
-        mix = self.mixture(p, q)
-        return normalize((mix - q).clamp_min(0), mix)
-
-    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+    def _law(self, p: Tensor, q: Tensor) -> Tensor:
         return self.mixture(p, q)
 
-    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
-        mix = self.mixture(target_probs, draft_probs)  # the law it verifies against
-        return mix, overlap(draft_probs, mix)
+    def _law_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return self.mixture(at(p, x), at(q, x))

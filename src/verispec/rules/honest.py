@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.probability import at, normalize, overlap, ratio_accept
+from verispec.probability import at
 from verispec.rules.base import Rule
+from verispec.rules.law import LawRule
 from verispec.rules.registry import register
 from verispec.rules.truncation import TruncationRule
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Honest(Rule):
+class Honest(LawRule):
     name = "honest"
     family = "baseline"
     lossless_when = "exact vs truncation sampling of p"
@@ -39,27 +40,13 @@ class Honest(Rule):
     def _baseline(self, p: Tensor) -> Tensor:
         return self.inner._baseline(p)
 
-    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
-        return ratio_accept(self._baseline(p), q)
-
-    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
-        kept = torch.where(self.inner.gate(p), p, 0.0)  # p * 1_A
-        total = kept.sum(-1, keepdim=True)
-        p_x = at(kept, x)[..., None]  # the baseline at the drafted tokens, as `normalize` computes it
-        truncated_x = torch.where(total > 0, p_x / total.clamp_min(torch.finfo(p.dtype).tiny),
-                                  at(p, x)[..., None])
-        return ratio_accept(truncated_x[..., 0], at(q, x))
-
-    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
-        truncated = self._baseline(p)
-        return normalize((truncated - q).clamp_min(0), truncated)
-
-    def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
+    def _law(self, p: Tensor, q: Tensor) -> Tensor:
         return self._baseline(p)
 
-    def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
-        truncated = self._baseline(target_probs)  # the law it verifies against
-        return truncated, overlap(draft_probs, truncated)
+    def _law_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        kept = torch.where(self.inner.gate(p), p, 0.0)  # p * 1_A
+        total = kept.sum(-1)  # the baseline at the drafted tokens, as `normalize` computes it
+        return torch.where(total > 0, at(kept, x) / total.clamp_min(torch.finfo(p.dtype).tiny), at(p, x))
 
     def _bonus(self, p: Tensor) -> Tensor:
         return self._baseline(p)

@@ -9,28 +9,25 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from verispec.probability import at, normalize, ratio_accept
-from verispec.rules.base import Rule
+from verispec.probability import at
+from verispec.rules.law import LawRule
 from verispec.rules.registry import register
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
-class Lossless(Rule):
+class Lossless(LawRule):
     name = "lossless"
     family = "lossless"
     lossless = True
     source = "Leviathan et al. 2023 (Alg. 1); Chen et al. 2023 (Alg. 2)"
     summary = "accept min(1, p/q); resample norm((p-q)+)"
 
-    def _accept(self, p: Tensor, q: Tensor) -> Tensor:
-        return ratio_accept(p, q)
+    def _law(self, p: Tensor, q: Tensor) -> Tensor:
+        return p
 
-    def _accept_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
-        return ratio_accept(at(p, x), at(q, x))
-
-    def _residual(self, p: Tensor, q: Tensor) -> Tensor:
-        return normalize((p - q).clamp_min(0), p)
+    def _law_at(self, p: Tensor, q: Tensor, x: Tensor) -> Tensor:
+        return at(p, x)
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
-        return p.clone()
+        return p.clone()  # the emitted law is the caller's to keep: never the input itself
