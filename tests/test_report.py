@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from verispec.evaluation.report import machine_notes, pace_note, summarize, terminal_table
+from verispec.evaluation.report import machine_notes, pace_note, planned_configs, summarize, terminal_table
 from verispec.evaluation.store import read_runs, run_started
 from verispec.evaluation.sweep import new_run_id
 from verispec.machine import cpu_model_and_flags, describe
@@ -366,5 +366,11 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
                                                    "problems x 2 seed(s))"]  # under a minute: no pace
     assert pace_note([], 100, 1, start) == [] and pace_note(rows, None, 1, start) == []
+    planned = planned_configs({"suite": "mtbench", "rules": ["budget:tv=0.1,ratio=2"], "ks": [4],
+                               "temperatures": [1.0], "seeds": [0], "schema": 2, "backend": "lean"})
+    assert planned == ["plain T=1", "lossless k=4 T=1", "budget:tv=0.1,ratio=2.0 k=4 T=1"]
+    (note,) = pace_note(rows, 100, 2, start + 30, planned)  # the rule with no row yet counts
+    assert note.startswith("progress: 61 of 600 rows (3 configurations x 100 problems x 2 seed(s))")
+    assert planned_configs({"suite": "mtbench", "rules": ["nonsense:x=1"]}) == []
     assert run_started("20261205T150000Z-abcdef") == start and run_started("x") is None
     assert abs(run_started(new_run_id()) - time.time()) < 5  # the id's form and its reading agree

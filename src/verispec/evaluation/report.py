@@ -20,6 +20,7 @@ are over different problems, and only the paired columns compare like with like.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
@@ -35,6 +36,7 @@ from verispec.evaluation.comparisons import (comparisons_table, length_table, le
 from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import check_schema, read_runs, results_file, run_started, scan_rows
 from verispec.evaluation.suites import load_suite
+from verispec.evaluation.units import SweepSpec
 from verispec.machine import kind
 from verispec.tables import markdown_table, text_table
 from verispec.rules import honest_baseline, parse
@@ -891,14 +893,28 @@ def planned_problems(settings: dict) -> int | None:
         return None
 
 
-def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: float) -> list[str]:
-    """How many rows a sweep has of those it plans (`planned` problems x `seeds` x the configurations
-    its rows show), and, from the latest run (run ids begin with their UTC start), its rows a minute
-    between its start and `last_write` (the results file's modification time, epoch seconds) and the
-    time the rest would take at that pace; no outcome in it. Copied rows count as done, not as pace."""
+def planned_configs(settings: dict) -> list[str]:
+    """The configuration ids a sweep.json plans (plain, lossless, each rule and its honest baseline, per k
+    and temperature, trees included: `SweepSpec.configs`); [] when the settings do not parse."""
+    fields = {f.name for f in dataclasses.fields(SweepSpec)}
+    try:
+        spec = SweepSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()
+                            if k in fields})
+        return [config.id for config in spec.configs()]
+    except (TypeError, ValueError):
+        return []
+
+
+def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: float,
+              configs: Sequence[str] = ()) -> list[str]:
+    """How many rows a sweep has of those it plans (`planned` problems x `seeds` x its configurations:
+    `configs`, the planned ones, with any others its rows show, so a rule with no row yet counts), and,
+    from the latest run (run ids begin with their UTC start), its rows a minute between its start and
+    `last_write` (the results file's modification time, epoch seconds) and the time the rest would take
+    at that pace; no outcome in it. Copied rows count as done, not as pace."""
     if not rows or not planned:
         return []
-    configs = {r["config"] for r in rows}
+    configs = set(configs) | {r["config"] for r in rows}
     total = planned * seeds * len(configs)
     done = len({(r["config"], r["prompt_id"], r["seed"]) for r in rows})
     text = f"{done} of {total} rows ({len(configs)} configurations x {planned} problems x {seeds} seed(s))"
@@ -922,7 +938,8 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
     rows = first_problems(rows, problems, settings, notes)
     planned = planned_problems(settings)  # loads the suite: once
     notes += machine_notes(rows, read_runs(path))
-    notes += pace_note(rows, problems or planned, len(settings.get("seeds") or [0]), path.stat().st_mtime)
+    notes += pace_note(rows, problems or planned, len(settings.get("seeds") or [0]), path.stat().st_mtime,
+                       planned_configs(settings))
     return progress_table(rows, list(settings.get("compare") or []), settings.get("sequential"),
                           planned) + "".join(f"\nnote: {n}" for n in notes)
 
