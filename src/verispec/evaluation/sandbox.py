@@ -34,6 +34,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -210,9 +211,13 @@ def _set_limits(limits: Limits, cpu_seconds: int, nproc: bool = True):
     return apply
 
 
-def _limit_broken(returncode: int, stderr: str) -> str | None:
-    """The limit a finished program broke, read from its exit signal or its last error line."""
-    if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+def _limit_broken(returncode: int, stderr: str, cpu_reachable: bool = True) -> str | None:
+    """The limit a finished program broke, read from its exit signal or its last error line.
+
+    A launcher (bwrap, the fallback's shell) passes a signal death on as exit code 128 + signal, which a
+    program may also exit with on purpose: `cpu_reachable=False` (its wall time times the CPUs it could
+    use is under the CPU limit, so it cannot have spent it) reads 128 + SIGXCPU as an ordinary exit."""
+    if returncode == -signal.SIGXCPU or (returncode == 128 + signal.SIGXCPU and cpu_reachable):
         return "cpu time limit"
     if returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
         return "file size limit"
@@ -257,6 +262,7 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
             os.chmod(tmp, 0o700)
             env["HOME"] = tmp
             cmd = [*prefix, *(_NOT_INIT if shell_init else ()), *inside, _python(), "-I", str(script)]
+        started = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, errors="replace",
@@ -271,7 +277,8 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
                 return Outcome(False, f"timeout after {timeout:g}s", "timeout")
         finally:
             _kill_group(proc)  # whatever it left running (its own session; the PID namespace's already gone)
-        limit = _limit_broken(proc.returncode, stderr)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        limit = _limit_broken(proc.returncode, stderr, (time.monotonic() - started) * cpus >= cpu_seconds)
         if limit is not None:
             return Outcome(False, limit, limit)
         if proc.returncode != 0:
