@@ -371,6 +371,8 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     assert planned == ["plain T=1", "lossless k=4 T=1", "budget:tv=0.1,ratio=2.0 k=4 T=1"]
     (note,) = pace_note(rows, 100, 2, start + 30, planned)  # the rule with no row yet counts
     assert note.startswith("progress: 61 of 600 rows (3 configurations x 100 problems x 2 seed(s))")
-    assert planned_configs({"suite": "mtbench", "rules": ["nonsense:x=1"]}) == []
+    assert planned_configs({"suite": "mtbench", "rules": ["nonsense:x=1"], "ks": [4],
+                            "temperatures": [1]}) == []
+    assert planned_configs({}) == []  # no sweep.json: not SweepSpec's defaults
     assert run_started("20261205T150000Z-abcdef") == start and run_started("x") is None
     assert abs(run_started(new_run_id()) - time.time()) < 5  # the id's form and its reading agree

@@ -259,7 +259,7 @@ class Rule:
     def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
         """(`emitted_law` [..., V], the expected acceptance sum_x q(x) accept(x) [...]) without input
         checks: what the diagnostics need at a drafted position. A rule whose two share work overrides
-        it (budget: its law is the one it verifies against)."""
+        it (`LawRule`: its law is the one it verifies against, built once)."""
         accept = self._accept(target_probs, draft_probs)
         return self._emitted(target_probs, draft_probs), (draft_probs * accept).sum(-1)
 

@@ -1,4 +1,4 @@
-"""Rules that verify losslessly against a law r(p, q) other than the target (docs/design.md, 'Rule
+"""Rules that verify losslessly against a law r(p, q), the target or another (docs/design.md, 'Rule
 anatomy'): speculative sampling (Leviathan et al. 2023, Algorithm 1) applied to r, so
 
     accept = min(1, r/q);   residual = norm((r - q)+) (r where r == q);   emitted = r exactly,
@@ -43,7 +43,7 @@ class LawRule(Rule):
         return normalize((law - q).clamp_min(0), law)
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
-        return self._law(p, q)
+        return self._law(p, q)  # a `_law` that returns its input (lossless) must override this with a copy
 
     def law_and_expected_acceptance(self, target_probs: Tensor, draft_probs: Tensor) -> tuple[Tensor, Tensor]:
         law = self._emitted(target_probs, draft_probs)  # built once: it is both the law and what q meets
