@@ -137,6 +137,38 @@ def short_share(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[st
     return (sum(diff.values()) / len(diff), sum(diff[u] for u in shorts) / len(diff), len(shorts))
 
 
+def sign_flip_p(scores: dict[tuple[str, str, int], float], a: str, b: str, flips: int,
+                seed: int = 0) -> tuple[float, float]:
+    """Exact-in-the-limit permutation p-values (two-sided) of the levels-1-2 contrast and of the slope of
+    the per-problem gap on the level, by flipping the sign of each problem's A - B at random: valid under
+    exchangeability of A and B within each problem, which holds exactly for two samplers of one law
+    (the calibration row) and is the sharp null of no effect at all for a rule. A check that the
+    Welch and cluster-robust p-values are calibrated on these rows; `flips` random sign vectors."""
+    per = _per_problem(scores, a, b)
+    diffs = np.array(list(per.values()))  # [P]
+    levels = np.array([graded.level_of(p) for p in per], float)  # [P]
+    low = np.isin(levels, LOW_LEVELS)
+    centred = levels - levels.mean()
+
+    def statistics(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # d [N, P] -> ([N], [N])
+        return d[:, low].mean(1) - d[:, ~low].mean(1), (d * centred).sum(1) / (centred ** 2).sum()
+
+    (contrast,), (slope,) = statistics(diffs[None, :])
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(flips, len(diffs)))  # [N, P]
+    null_contrast, null_slope = statistics(signs * diffs)
+    tol = 1e-12  # ties with the observed value count as at least as extreme
+    return (float(np.mean(np.abs(null_contrast) >= abs(contrast) - tol)),
+            float(np.mean(np.abs(null_slope) >= abs(slope) - tol)))
+
+
+def without_short(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
+                  a: str, b: str, short: int = SHORT_TOKENS) -> dict[tuple[str, str, int], float]:
+    """The scores of A and B on the (problem, seed) units where neither reply has fewer than `short`
+    tokens: what is left of a comparison without its short pairs."""
+    keep = {u for u in _pairs(scores, a, b) if min(tokens[(a, *u)], tokens[(b, *u)]) >= short}
+    return {(c, p, s): v for (c, p, s), v in scores.items() if c in (a, b) and (p, s) in keep}
+
+
 def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int) -> float:
     """log(right / wrong) of one configuration on one level, with 0.5 added to both counts."""
     values = [v for (c, p, _), v in scores.items() if c == config and graded.level_of(p) == level]
@@ -144,9 +176,11 @@ def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int)
     return float(np.log((right + 0.5) / (len(values) - right + 0.5)))
 
 
-def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str) -> None:
+def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: int = 0) -> None:
     """The held-out plan's level readings for one comparison: the contrast under every scoring, then,
-    under the suite's rule, each level's gap, its short-reply share and both sides' log-odds."""
+    under the suite's rule, each level's gap, its short-reply share and both sides' log-odds. `flips`
+    > 0 adds two readings that are not the plan's (after its reading): the sign-flip permutation p of
+    the contrast and the slope, and the contrast without the short pairs."""
     for name, table in tables.items():
         c = level_contrast(table, a, b)
         lo, hi = c["low_interval"]
@@ -159,6 +193,13 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str) -> None:
         print(f"    level {level}: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
               f"{from_short:+.3f} ({n_short} pairs); log-odds right {log_odds(table, a, level):+.2f} vs "
               f"{log_odds(table, b, level):+.2f}")
+    if flips:
+        p_contrast, p_slope = sign_flip_p(table, a, b, flips)
+        print(f"    sign-flip permutation p ({flips} flips, stored): the contrast {p_contrast:.3g}, "
+              f"the slope {p_slope:.3g}")
+        c = level_contrast(without_short(table, tokens, a, b), a, b)
+        print(f"    without pairs with a reply under {SHORT_TOKENS} tokens, stored: {c['contrast']:+.3f} "
+              f"(se {c['se']:.3f}) Welch p {c['p']:.3g} ({c['low_n']} and {c['high_n']} problems)")
 
 
 def main() -> None:
@@ -169,6 +210,10 @@ def main() -> None:
                         help="also each comparison's level readings declared in qwen-graded-steps-heldout/"
                              "PLAN.md: the levels-1-2 contrast under three scorings, per-level short-reply "
                              "share and log-odds")
+    parser.add_argument("--permutations", type=int, default=0, metavar="N",
+                        help="with --levels: also the sign-flip permutation p of the contrast and the slope "
+                             "(N random flips) and the contrast without the short pairs (not the plan's "
+                             "readings: checks of them)")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
     settings = json.loads((args.sweep / "sweep.json").read_text())
@@ -207,7 +252,7 @@ def main() -> None:
                 print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
             if args.levels:
                 readings = ("stored", "strict (marker)", "last number")
-                print_levels({k: tables[k] for k in readings}, tokens, a, b)
+                print_levels({k: tables[k] for k in readings}, tokens, a, b, args.permutations)
 
 
 if __name__ == "__main__":

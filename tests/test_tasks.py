@@ -276,3 +276,37 @@ def test_rescore_graded_level_readings_on_constructed_scores():
     assert rescore.short_share(scores, tokens, "gate", "honest", 4) == (0.25, 0.0, 1)
     assert rescore.log_odds(scores, "honest", 1) == pytest.approx(np.log(4.5 / 0.5))
     assert rescore.log_odds(scores, "gate", 1) == pytest.approx(np.log(2.5 / 2.5))
+    # without the short pairs (problem 00 of every level): levels 1-2 keep [-1, 0, 0] and [0, 0, 0]
+    rest = rescore.without_short(scores, tokens, "gate", "honest")
+    assert len(rest) == 2 * 15
+    assert rescore.level_contrast(rest, "gate", "honest")["contrast"] == pytest.approx(
+        np.mean([-1, 0, 0, 0, 0, 0]) - np.mean([0, 1, -1, 1, 0, 0, -1, 0, 0]))
+
+
+def test_sign_flip_p_is_exact_on_a_small_case_and_catches_a_planted_contrast():
+    """rescore_graded.sign_flip_p: on 5 problems (one a level) the 2^5 sign vectors are few, so with many
+    flips the p approaches the exact count; a planted levels-1-2 gap gets a small p, a symmetric one
+    does not."""
+    rescore = load_benchmark("rescore_graded")
+
+    def scores_of(diffs: list[int]) -> dict:
+        out = {}
+        for n, d in enumerate(diffs):
+            pid = f"graded-steps-heldout-L{n % 5 + 1}-{n:02d}"
+            out[("a", pid, 0)], out[("b", pid, 0)] = float(d > 0), float(d < 0)
+        return out
+
+    # one problem a level, gaps -1, -1, 0, 0, 0: the contrast -1; |contrast| >= 1 needs levels 1 and 2 to
+    # keep equal signs (the rest are 0): 2 of the 4 sign patterns that matter, so p = 1/2 exactly
+    p_contrast, _ = rescore.sign_flip_p(scores_of([-1, -1, 0, 0, 0]), "a", "b", flips=20000)
+    assert p_contrast == pytest.approx(0.5, abs=0.02)
+    planted = scores_of([-1] * 20 + [-1] * 20 + [0] * 60)  # levels cycle, so every level mixes: none
+    assert rescore.sign_flip_p(planted, "a", "b", flips=2000)[0] > 0.05
+    low_only = {}
+    for n in range(100):  # 20 a level; levels 1 and 2 all lose, 3-5 split evenly
+        level = n // 20 + 1
+        d = -1 if level <= 2 else (1 if n % 2 else -1)
+        pid = f"graded-steps-heldout-L{level}-{n:02d}"
+        low_only[("a", pid, 0)], low_only[("b", pid, 0)] = float(d > 0), float(d < 0)
+    p_contrast, p_slope = rescore.sign_flip_p(low_only, "a", "b", flips=2000)
+    assert p_contrast < 0.001 and p_slope < 0.01
