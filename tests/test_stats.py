@@ -230,8 +230,12 @@ def test_progress_counts_pairs_and_looks_without_outcomes(core_rows, tmp_path, c
     assert comparisons.look_counts(3, 50) == [16, 33, 50]
     assert comparisons.look_counts(3, 164) == [54, 109, 164]
     passed = comparisons.progress_table(half, ["cos:w=0.9:lossless"], "obf:3", 50)
-    assert ("the fullest comparison has passed look 1's count (16 problems): if look 1 has not been read, "
-            "read it on the suite's first 16 problems (verispec report DIR --problems 16)") in passed
+    assert ("the fullest planned comparison has passed look 1's count (16 problems): if look 1 has not been "
+            "read, read it on the suite's first 16 problems (verispec report DIR --problems 16)") in passed
+    # the calibration row (added, not planned) past look 1 with the planned rule short of it: no hint
+    # (plain and lossless copied whole, the rule still decoding, as in a --reuse-plain sweep)
+    behind = [r for r in half if r["rule"] != "cos:w=0.9" or r["prompt_index"] < 10]
+    assert "passed look" not in comparisons.progress_table(behind, ["cos:w=0.9:lossless"], "obf:3", 50)
     at_count = [r for r in half if r["prompt_index"] < 16]  # at a look's count, not past it: no hint
     assert "passed look" not in comparisons.progress_table(at_count, [], "obf:3", 50)
     two = comparisons.progress_table(half, [], "obf:5", 50)  # looks at 10, 20, 30, ...: the latest passed

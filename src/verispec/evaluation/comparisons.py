@@ -235,6 +235,7 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
     for key, have in units.items():
         lines.append(f"  {_config_name(key)}: {len(have)} rows, {len({p for p, _ in have})} problems")
     pairs = [parse_comparison(d) for d in declared]
+    planned = set(pairs) or {("lossless", PLAIN)}  # the looks follow these (not an added calibration row)
     if ("lossless", PLAIN) not in pairs:  # as comparisons_table: the calibration row unless declared
         pairs.append(("lossless", PLAIN))
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
@@ -244,7 +245,8 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
         for key_a, key_b in _matching(units, a, b):
             both = units[key_a].keys() & units[key_b].keys()
             problems = len({p for p, _ in both})
-            fullest = max(fullest, problems)
+            if (a, b) in planned:
+                fullest = max(fullest, problems)
             where = ""
             if looks > 1:
                 where = "; a report now reads: " + sequential_design(kind, looks, problems, planned_clusters)
@@ -254,7 +256,7 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
               if 1 <= n < fullest and j < looks] if looks > 1 and planned_clusters else []
     if passed:
         look, count = passed[-1]
-        lines.append(f"the fullest comparison has passed look {look}'s count ({count} problems): if look "
+        lines.append(f"the fullest planned comparison has passed look {look}'s count ({count} problems): if look "
                      f"{look} has not been read, read it on the suite's first {count} problems (verispec "
                      f"report DIR --problems {count}), not on these rows, which would take look {look + 1}")
     return "\n".join(lines)
