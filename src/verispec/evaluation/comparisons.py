@@ -256,8 +256,8 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
               if 1 <= n < fullest and j < looks] if looks > 1 and planned_clusters else []
     if passed:
         look, count = passed[-1]
-        lines.append(f"the fullest planned comparison has passed look {look}'s count ({count} problems): if look "
-                     f"{look} has not been read, read it on the suite's first {count} problems (verispec "
+        lines.append(f"the fullest planned comparison has passed look {look}'s count ({count} problems): if "
+                     f"look {look} has not been read, read it on the suite's first {count} problems (verispec "
                      f"report DIR --problems {count}), not on these rows, which would take look {look + 1}")
     return "\n".join(lines)
 
