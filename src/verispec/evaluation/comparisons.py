@@ -257,8 +257,9 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
     if passed:
         look, count = passed[-1]
         lines.append(f"the fullest planned comparison has passed look {look}'s count ({count} problems): if "
-                     f"look {look} has not been read, read it on the suite's first {count} problems (verispec "
-                     f"report DIR --problems {count}), not on these rows, which would take look {look + 1}")
+                     f"look {look} has not been read, read it on the suite's first {count} problems "
+                     f"(verispec report DIR --problems {count}), not on these rows, which would take look "
+                     f"{look + 1}")
     return "\n".join(lines)
 
 
