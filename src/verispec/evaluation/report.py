@@ -897,9 +897,9 @@ def planned_configs(settings: dict) -> list[str]:
     """The configuration ids a sweep.json plans (plain, lossless, each rule and its honest baseline, per k
     and temperature, trees included: `SweepSpec.configs`); [] when the settings lack the grid (no
     sweep.json) or do not parse."""
-    fields = {f.name for f in dataclasses.fields(SweepSpec)}
     if not all(settings.get(key) for key in ("rules", "ks", "temperatures")):
         return []
+    fields = {f.name for f in dataclasses.fields(SweepSpec)}
     try:
         spec = SweepSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()
                             if k in fields})
