@@ -119,6 +119,8 @@ def test_the_reason_is_read_from_the_exit():
     assert sandbox._limit_broken(-25, "") == "file size limit"  # SIGXFSZ
     assert sandbox._limit_broken(128 + 24, "") == "cpu time limit"  # SIGXCPU passed on by a launcher
     assert sandbox._limit_broken(128 + 24, "", cpu_spent=False) is None  # too little CPU: its own exit
+    assert sandbox._limit_broken(128 + 25, "") == "file size limit"  # SIGXFSZ passed on by a launcher
+    assert sandbox._limit_broken(128 + 25, "", file_at_limit=False) is None  # no file that big: its own
     assert sandbox._limit_broken(1, "Traceback...\nMemoryError\n") == "memory limit"
     assert sandbox._limit_broken(1, "Traceback...\nBlockingIOError: [Errno 11] Resource temporarily "
                                     "unavailable\n") == "process limit"
@@ -131,6 +133,16 @@ def test_a_program_exiting_152_on_purpose_is_not_read_as_the_cpu_limit():
     CPUs stays under it on any machine of up to 60 CPUs or so)."""
     outcome = run_sandboxed("import sys\nsys.exit(152)", timeout=60)
     assert outcome == Outcome(False, "exit code 152"), outcome
+
+
+def test_a_program_exiting_153_on_purpose_is_not_read_as_the_file_size_limit():
+    """153 = 128 + SIGXFSZ: read as the file size limit only when a file in the program's directory
+    reached the limit. CPython ignores SIGXFSZ; a program that restores its default dies of it."""
+    outcome = run_sandboxed("import sys\nsys.exit(153)", timeout=60)
+    assert outcome == Outcome(False, "exit code 153"), outcome
+    killed = run_sandboxed("import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+                           "open('big', 'wb').write(bytes(2**21))", limits=Limits(file_bytes=2**20))
+    assert killed == Outcome(False, "file size limit", "file size limit"), killed
 
 
 def test_a_broken_limit_is_stored_in_the_row_metrics(tmp_path):

@@ -211,15 +211,17 @@ def _set_limits(limits: Limits, cpu_seconds: int, nproc: bool = True):
     return apply
 
 
-def _limit_broken(returncode: int, stderr: str, cpu_spent: bool = True) -> str | None:
+def _limit_broken(returncode: int, stderr: str, cpu_spent: bool = True,
+                  file_at_limit: bool = True) -> str | None:
     """The limit a finished program broke, read from its exit signal or its last error line.
 
     A launcher (bwrap, the fallback's shell) passes a signal death on as exit code 128 + signal, which a
     program may also exit with on purpose: `cpu_spent=False` (the program cannot have spent the CPU
-    limit's seconds in the time it ran) reads 128 + SIGXCPU as an ordinary exit."""
+    limit's seconds in the time it ran) reads 128 + SIGXCPU as an ordinary exit, and
+    `file_at_limit=False` (no file in its directory reached the file size limit) 128 + SIGXFSZ."""
     if returncode == -signal.SIGXCPU or (returncode == 128 + signal.SIGXCPU and cpu_spent):
         return "cpu time limit"
-    if returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+    if returncode == -signal.SIGXFSZ or (returncode == 128 + signal.SIGXFSZ and file_at_limit):
         return "file size limit"
     lines = stderr.strip().splitlines()
     last = lines[-1] if lines else ""
@@ -282,13 +284,29 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
         # exact, but bubblewrap's PID-namespace init does not pass the program's on: measured, a
         # three-thread spin killed at 2 CPU seconds read 0.)
         spent_at_most = (time.monotonic() - started) * (os.cpu_count() or 1)
-        limit = _limit_broken(proc.returncode, stderr, spent_at_most >= cpu_seconds)
+        limit = _limit_broken(proc.returncode, stderr, spent_at_most >= cpu_seconds,
+                              _a_file_at(Path(tmp), limits.file_bytes))
         if limit is not None:
             return Outcome(False, limit, limit)
         if proc.returncode != 0:
             tail = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             return Outcome(False, tail[:200])
         return Outcome(True, "passed")
+
+
+def _a_file_at(directory: Path, file_bytes: int) -> bool:
+    """Whether a file under the program's directory reached the file size limit (RLIMIT_FSIZE stops a
+    write there). CPython ignores SIGXFSZ, so a program dies of it only if it restored the default
+    handler; its file is then here, unless it wrote to bubblewrap's private /tmp (gone with it), where an
+    exit 153 reads as an ordinary exit code."""
+    for root, _, names in os.walk(directory):  # os.walk skips what it cannot read, follows no link
+        for name in names:
+            try:
+                if os.lstat(os.path.join(root, name)).st_size >= file_bytes:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
