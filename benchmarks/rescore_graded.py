@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 from scipy import stats
+
+from common import paired_text, problem_differences, unit_differences
 
 from verispec.evaluation import comparisons, graded
 
@@ -81,40 +82,13 @@ def last_number(text: str) -> float | None:
     return numbers[-1] if numbers else None
 
 
-def _pairs(scores: dict[tuple[str, str, int], float], a: str, b: str) -> dict[tuple[str, int], float]:
-    """(problem, seed) -> A - B, on the units both configurations have."""
-    return {(p, s): v - scores[(b, p, s)]
-            for (c, p, s), v in scores.items() if c == a and (b, p, s) in scores}
-
-
-def _per_problem(scores: dict[tuple[str, str, int], float], a: str, b: str) -> dict[str, float]:
-    """problem -> the mean of A - B over its seeds (the problem is the cluster)."""
-    diffs: dict[str, list[float]] = defaultdict(list)
-    for (p, _), d in _pairs(scores, a, b).items():
-        diffs[p].append(d)
-    return {p: float(np.mean(v)) for p, v in diffs.items()}
-
-
-def compare(scores: dict[tuple[str, str, int], float], a: str, b: str) -> str:
-    pairs = _pairs(scores, a, b)
-    per_problem = _per_problem(scores, a, b)
-    wins, losses = sum(d > 0 for d in pairs.values()), sum(d < 0 for d in pairs.values())
-    diffs = np.array(list(per_problem.values()))
-    mean = diffs.mean()
-    half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs))
-    t_p = stats.ttest_1samp(diffs, 0.0).pvalue if diffs.std() > 0 else 1.0
-    mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
-    return (f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] t-test p {t_p:.3g}; "
-            f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({len(per_problem)} problems, {len(pairs)} pairs)")
-
-
 def level_contrast(scores: dict[tuple[str, str, int], float], a: str, b: str,
                    low: tuple[int, ...] = LOW_LEVELS) -> dict:
     """The gap A - B on the `low` levels minus the gap on the others, from per-problem mean differences
     (a problem sits in one level, so the two groups are independent): Welch's t-test (scipy), and the
     low levels' own gap with its 95% t interval. The held-out plan's primary test (qwen-graded-steps-
     heldout/PLAN.md)."""
-    per = _per_problem(scores, a, b)
+    per = problem_differences(scores, a, b)
     lo = np.array([d for p, d in per.items() if graded.level_of(p) in low])
     hi = np.array([d for p, d in per.items() if graded.level_of(p) not in low])
     contrast = lo.mean() - hi.mean()
@@ -130,7 +104,7 @@ def short_share(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[st
                 a: str, b: str, level: int, short: int = SHORT_TOKENS) -> tuple[float, float, int]:
     """On one level: (the gap A - B over all pairs, the part of it from pairs where A's or B's reply has
     fewer than `short` tokens (their summed difference over all pairs), how many such pairs)."""
-    diff = {u: d for u, d in _pairs(scores, a, b).items() if graded.level_of(u[0]) == level}
+    diff = {u: d for u, d in unit_differences(scores, a, b).items() if graded.level_of(u[0]) == level}
     if not diff:
         return float("nan"), float("nan"), 0
     shorts = [u for u in diff if min(tokens[(a, *u)], tokens[(b, *u)]) < short]
@@ -144,7 +118,7 @@ def sign_flip_p(scores: dict[tuple[str, str, int], float], a: str, b: str, flips
     exchangeability of A and B within each problem, which holds exactly for two samplers of one law
     (the calibration row) and is the sharp null of no effect at all for a rule. A check that the
     Welch and cluster-robust p-values are calibrated on these rows; `flips` random sign vectors."""
-    per = _per_problem(scores, a, b)
+    per = problem_differences(scores, a, b)
     diffs = np.array(list(per.values()))  # [P]
     levels = np.array([graded.level_of(p) for p in per], float)  # [P]
     low = np.isin(levels, LOW_LEVELS)
@@ -165,7 +139,7 @@ def without_short(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[
                   a: str, b: str, short: int = SHORT_TOKENS) -> dict[tuple[str, str, int], float]:
     """The scores of A and B on the (problem, seed) units where neither reply has fewer than `short`
     tokens: what is left of a comparison without its short pairs."""
-    keep = {u for u in _pairs(scores, a, b) if min(tokens[(a, *u)], tokens[(b, *u)]) >= short}
+    keep = {u for u in unit_differences(scores, a, b) if min(tokens[(a, *u)], tokens[(b, *u)]) >= short}
     return {(c, p, s): v for (c, p, s), v in scores.items() if c in (a, b) and (p, s) in keep}
 
 
@@ -249,7 +223,7 @@ def main() -> None:
         for found in comparisons.compare(rows, *comparisons.parse_comparison(spec)):
             a, b = found.config_a, found.config_b
             for name, table in tables.items():
-                print(f"  {a} - {b}, {name}: {compare(table, a, b)}")
+                print(f"  {a} - {b}, {name}: {paired_text(table, a, b)}")
             if args.levels:
                 readings = ("stored", "strict (marker)", "last number")
                 print_levels({k: tables[k] for k in readings}, tokens, a, b, args.permutations)

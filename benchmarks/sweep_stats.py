@@ -7,7 +7,11 @@
 - with --fence-stop (named Qwen targets): how many generated tokens come before the closing ``` of
   the first code block (re-tokenised with the target's tokenizer): what a stop string there saves;
 - with --rescore: every row's text scored again by its suite on this (quiet) machine, and the rows
-  whose score differs (e.g. a correct program that timed out while the sweep loaded the machine);
+  whose score differs (e.g. a correct program that timed out while the sweep loaded the machine); then
+  each comparison the sweep declared (`--compare`), on the stored and the re-scored rows, by code
+  written apart from the report's (scipy's t-test on per-problem mean differences, exact McNemar, Holm
+  over the declared comparisons: `common.paired_text`, `common.holm_adjusted`); --planned alone: those
+  comparisons on the stored scores, with no re-scoring;
 - with --score-as SUITE: every row's text scored by another suite's scorer (e.g. the old protocol's
   rows, decoded to a 256-token cap with no fence stop, scored as `humaneval-sanitized` scores), each
   configuration's mean printed, and those scores used by --pairs: what a change of scoring alone does;
@@ -28,9 +32,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
+from common import holm_adjusted, paired_by_problem, paired_text
+
+from verispec.evaluation import comparisons
 from verispec.evaluation.report import row_seconds, summarize
 from verispec.evaluation.store import read_rows
 
@@ -100,24 +109,44 @@ def metrics_under(rows: list[dict], suite_name: str) -> tuple[list[dict], str]:
     return [suite.score(r["text"], items[r["prompt_id"]]) for r in rows], suite.primary
 
 
-def rescore(rows: list[dict]) -> None:
+def rescore(rows: list[dict]) -> list[dict]:
     """Score every row's text again and name the rows whose score differs; rows copied from another
-    sweep (--reuse-from) are left to that sweep's own rescoring."""
+    sweep (--reuse-from) are left to that sweep's own rescoring. Returns the rows with the new scores
+    (copied rows as stored)."""
     copied = sum(1 for r in rows if "reused_from" in r)
-    rows = [r for r in rows if "reused_from" not in r]
     if copied:
         print(f"\nnot rescored here: {copied} rows copied from another sweep (rescore that sweep)")
-    changed = []
-    for suite_name in dict.fromkeys(r["suite"] for r in rows):
-        mine = [r for r in rows if r["suite"] == suite_name]
+    changed, again_by_row = [], {}
+    decoded = [r for r in rows if "reused_from" not in r]
+    for suite_name in dict.fromkeys(r["suite"] for r in decoded):
+        mine = [r for r in decoded if r["suite"] == suite_name]
         for row, metrics in zip(mine, metrics_under(mine, suite_name)[0]):
             again = metrics.get(row["score_name"])
+            again_by_row[id(row)] = again
             if again != row["score"]:
                 changed.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}): "
                                f"{row['score']} in the sweep, {again} now")
-    print(f"\nrescored {len(rows)} rows: {len(changed)} differ")
+    print(f"\nrescored {len(decoded)} rows: {len(changed)} differ")
     for line in changed:
         print(line)
+    return [dict(r, score=again_by_row[id(r)]) if id(r) in again_by_row else r for r in rows]
+
+
+def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str]) -> None:
+    """Each declared comparison on the stored and on the re-scored rows, by the held-out code
+    (`common.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
+    the declared comparisons (`common.holm_adjusted`): the report's estimates and p-values reproduced by
+    other code. A sequential design's thresholds are the report's; this prints the unadjusted and Holm p."""
+    print("\nplanned comparisons by the held-out code (scipy; Holm over the declared comparisons):")
+    for name, table_rows in (("stored", rows), ("re-scored", rescored)) if rescored else (("stored", rows),):
+        scores = {(r["config"], r["prompt_id"], r["seed"]): float(r["score"]) for r in table_rows
+                  if isinstance(r["score"], (int, float)) and r["score"] == r["score"]}
+        found = [f for spec in declared
+                 for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))]
+        p_values = [paired_by_problem(scores, f.config_a, f.config_b)[3] for f in found]
+        for f, holm in zip(found, holm_adjusted(p_values)):
+            print(f"  {name}: {f.config_a} - {f.config_b}: {paired_text(scores, f.config_a, f.config_b)}; "
+                  f"Holm p {holm:.3g}")
 
 
 def score_as(rows: list[dict], suite_name: str) -> list[dict]:
@@ -178,6 +207,9 @@ def main() -> None:
     parser.add_argument("sweep", help="a sweep's --out directory")
     parser.add_argument("--fence-stop", action="store_true", help="also measure a closing-fence stop string")
     parser.add_argument("--rescore", action="store_true", help="score every row's text again")
+    parser.add_argument("--planned", action="store_true",
+                        help="the declared comparisons by the held-out code on the stored scores (with "
+                             "--rescore: on the re-scored ones too)")
     parser.add_argument("--pairs", action="store_true", help="compare every pair of configurations")
     parser.add_argument("--also", nargs="+", default=[], metavar="DIR",
                         help="with --pairs: other sweeps (same settings) whose configurations join the pairs")
@@ -189,8 +221,12 @@ def main() -> None:
     identical(rows)
     if args.fence_stop:
         fence_stop(rows, rows[0]["target"])
-    if args.rescore:
-        rescore(rows)
+    if args.rescore or args.planned:
+        rescored = rescore(rows) if args.rescore else None
+        settings = Path(args.sweep) / "sweep.json"
+        declared = json.loads(settings.read_text()).get("compare") or [] if settings.exists() else []
+        if declared:
+            planned_comparisons(rows, rescored, declared)
     if args.also and not args.pairs:
         parser.error("--also works with --pairs")
     compared = rows + other_configs(rows, args.also) if args.pairs else rows

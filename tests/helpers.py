@@ -4,6 +4,7 @@ scripts under benchmarks/ that tests exercise."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -14,7 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as a module (the folder is not a package)."""
+    """benchmarks/<name>.py imported as a module (the folder is not a package; its scripts import their
+    shared `common` module as a script's folder on sys.path lets them)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.append(str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
