@@ -126,14 +126,17 @@ def paired_by_problem(scores: Scores, a: str, b: str) -> tuple[float, float, flo
 
 
 def paired_text(scores: Scores, a: str, b: str) -> str:
-    """`paired_by_problem` with the exact McNemar test on the (problem, seed) pairs, as one line."""
+    """`paired_by_problem` with the exact McNemar test on the (problem, seed) pairs (for scores not 0/1:
+    the sign test, the same binomial test of wins against losses), as one line."""
     pairs = unit_differences(scores, a, b)
     mean, low, high, t_p = paired_by_problem(scores, a, b)
     wins, losses = sum(d > 0 for d in pairs.values()), sum(d < 0 for d in pairs.values())
     mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
+    binary = all(v in (0.0, 1.0) for (c, _, _), v in scores.items() if c in (a, b))
     problems = len(problem_differences(scores, a, b))
     return (f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] t-test p {t_p:.3g}; "
-            f"McNemar +{wins}/-{losses} p {mcnemar:.3g} ({problems} problems, {len(pairs)} pairs)")
+            f"{'McNemar' if binary else 'sign test'} +{wins}/-{losses} p {mcnemar:.3g} "
+            f"({problems} problems, {len(pairs)} pairs)")
 
 
 def holm_adjusted(p_values: list[float]) -> list[float]:
