@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -210,6 +211,7 @@ sandbox = importlib.util.module_from_spec(spec)
 sys.modules["sandbox"] = sandbox
 spec.loader.exec_module(sandbox)
 import subprocess
+import tempfile
 # this user already runs more processes than a program may: the limit must count the sandbox's own only
 others = [subprocess.Popen(["sleep", "30"]) for _ in range(10)]
 small = sandbox.Limits(processes=8)
@@ -292,3 +294,28 @@ def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     sweep_stats.rescore(rows[:4] + [dict(rows[4], score=1.0 - rows[4]["score"])])
     out = capsys.readouterr().out
     assert "rescored 5 rows: 1 differ" in out and f"/ {rows[4]['prompt_id']} (seed 0)" in out
+
+
+def test_a_deep_or_unreadable_tree_left_behind_is_removed_and_never_raises():
+    """A program may leave directories nested deeper than shutil.rmtree's recursion reaches, or one it
+    made unreadable; the sandbox still returns an outcome and leaves nothing behind."""
+    before = set(Path(tempfile.gettempdir()).glob("verispec-exec-*"))
+    deep = run_sandboxed("import os\nfor _ in range(1500):\n    os.mkdir('a')\n    os.chdir('a')\n"
+                         "import sys\nsys.exit(153)", timeout=60)
+    assert deep == Outcome(False, "exit code 153"), deep
+    locked = run_sandboxed("import os\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nos.chmod('d', 0)")
+    assert locked.passed, locked
+    assert set(Path(tempfile.gettempdir()).glob("verispec-exec-*")) == before
+
+
+def test_a_file_at_the_limit_is_found_without_its_own_source_or_links(tmp_path):
+    source = tmp_path / "program.py"
+    source.write_bytes(bytes(64))  # the program's own source, however big, is not its output
+    assert not sandbox._a_file_at(tmp_path, 64, skip=source)
+    (tmp_path / "big").symlink_to(source)  # a link to a big file is not followed
+    assert not sandbox._a_file_at(tmp_path, 64, skip=source)
+    nested = tmp_path / "a" / "b"
+    nested.mkdir(parents=True)
+    (nested / "out").write_bytes(bytes(64))
+    assert sandbox._a_file_at(tmp_path, 64, skip=source)
+    assert not sandbox._a_file_at(tmp_path, 65, skip=source)

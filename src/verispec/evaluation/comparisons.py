@@ -135,7 +135,7 @@ def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
     return out
 
 
-def _config_name(key: tuple) -> str:
+def config_name(key: tuple) -> str:
     rule, k, temperature, tree = key
     shape = f" {tree}" if tree else ""
     return f"plain T={temperature:g}" if rule == PLAIN else f"{rule}{shape} k={k} T={temperature:g}"
@@ -186,7 +186,7 @@ def compare(rows: list[dict], a: str, b: str, value: Callable[[dict], object] = 
                 capped.append(va - vb)
         pooled = [t for seed in sorted(triples) for t in triples[seed]]
         cap_part = (sum(capped) / len(pooled) if pooled else math.nan, len(capped))
-        out.append(Comparison(f"{a} vs {b}", _config_name(key_a), _config_name(key_b),
+        out.append(Comparison(f"{a} vs {b}", config_name(key_a), config_name(key_b),
                               {seed: stats.clustered_paired(triples[seed]) for seed in sorted(triples)},
                               stats.clustered_paired(pooled), planned, cap_part))
     return out
@@ -233,7 +233,7 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
     units = _units(rows)
     lines = ["rows per configuration:"]
     for key, have in units.items():
-        lines.append(f"  {_config_name(key)}: {len(have)} rows, {len({p for p, _ in have})} problems")
+        lines.append(f"  {config_name(key)}: {len(have)} rows, {len({p for p, _ in have})} problems")
     pairs = [parse_comparison(d) for d in declared]
     planned = set(pairs) or {("lossless", PLAIN)}  # the looks follow these (not an added calibration row)
     if ("lossless", PLAIN) not in pairs:  # as comparisons_table: the calibration row unless declared
@@ -250,7 +250,7 @@ def progress_table(rows: list[dict], declared: list[str], sequential: str | None
             where = ""
             if looks > 1:
                 where = "; a report now reads: " + sequential_design(kind, looks, problems, planned_clusters)
-            lines.append(f"  {_config_name(key_a)} - {_config_name(key_b)}: {problems} problems, "
+            lines.append(f"  {config_name(key_a)} - {config_name(key_b)}: {problems} problems, "
                          f"{len(both)} (problem, seed) pairs{where}")
     passed = [(j, n) for j, n in enumerate(look_counts(looks, planned_clusters), start=1)
               if 1 <= n < fullest and j < looks] if looks > 1 and planned_clusters else []
@@ -398,14 +398,14 @@ def length_table(rows: list[dict], baseline_of) -> str:
     body = []
     for key in configs:
         group = list(units[key].values())
-        cells = [_config_name(key), str(len(group))]
+        cells = [config_name(key), str(len(group))]
         # a tree configuration is paired with plain decoding, the target's own law (as the main table)
         base_rule = PLAIN if key[3] else baseline_of(key[0])
         for name, value in OUTCOMES:
             level = mean(value(r) for r in group)
             cells.append(f"{level:.1f}" if name == "tokens" else f"{level:.3f}")
             diffs = [c for c in compare(rows, _side(key), base_rule, value)
-                     if c.config_a == _config_name(key)] if base_rule else []
+                     if c.config_a == config_name(key)] if base_rule else []
             cells.append(_interval(diffs[0].pooled) if diffs else "-")
         body.append(cells)
     legend = (f"(protocol: {', '.join(protocols)}; cap-hit = finish 'length'; stopped itself = a stop token "
@@ -496,7 +496,7 @@ def loglik_controls_table(rows: list[dict], declared: list[str]) -> str:
                      for _, value in CONTROLS]
         if not estimates[0].units:
             continue
-        cells = [f"{_config_name(key_a)} - {_config_name(key_b)}"
+        cells = [f"{config_name(key_a)} - {config_name(key_b)}"
                  + (" (calibration)" if (key_a, key_b) in calibration else ""), str(estimates[0].units)]
         for e in estimates:
             fewer = f" (n={e.units})" if e.units != estimates[0].units else ""
@@ -576,10 +576,10 @@ def level_table(rows: list[dict], baseline_of) -> str:
     body = []
     honest = _honest_configs(rows, baseline_of)
     for key, base in honest + (_calibration_configs(rows) if honest else []):
-        cells = [_config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
+        cells = [config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
         for lv in levels:
             subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
-            found = [c for c in compare(subset, key[0], base) if c.config_a == _config_name(key)]
+            found = [c for c in compare(subset, key[0], base) if c.config_a == config_name(key)]
             cells.append(f"{_interval(found[0].pooled)} n={found[0].pooled.clusters}" if found else "-")
         points = [(problem, float(level_of(problem)), d) for problem, _, d in _differences(rows, key, base)
                   if level_of(problem) is not None]
@@ -658,7 +658,7 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     head = ["config - baseline", *TIERS, "trend per unit pass rate"]
     body = []
     for key, base in configs:
-        cells = [_config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
+        cells = [config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
         points = [(problem, rate[(problem, seed, key[2])], d)
                   for problem, seed, d in _differences(rows, key, base) if (problem, seed, key[2]) in rate]
         for name in TIERS:

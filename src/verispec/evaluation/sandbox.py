@@ -246,7 +246,8 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
     if shell_init:  # ... which is one more process of the sandbox's: the program keeps its own count
         limits = replace(limits, processes=limits.processes + 1)
     inside, nproc_before = _process_limit(limits, root)
-    with tempfile.TemporaryDirectory(prefix="verispec-exec-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="verispec-exec-")
+    try:
         script = Path(tmp) / "program.py"
         script.write_text(program, encoding="utf-8", errors="surrogatepass")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0",
@@ -284,29 +285,56 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
         # exact, but bubblewrap's PID-namespace init does not pass the program's on: measured, a
         # three-thread spin killed at 2 CPU seconds read 0.)
         spent_at_most = (time.monotonic() - started) * (os.cpu_count() or 1)
-        limit = _limit_broken(proc.returncode, stderr, spent_at_most >= cpu_seconds,
-                              _a_file_at(Path(tmp), limits.file_bytes))
+        file_at_limit = (proc.returncode == 128 + signal.SIGXFSZ
+                         and _a_file_at(Path(tmp), limits.file_bytes, skip=script))
+        limit = _limit_broken(proc.returncode, stderr, spent_at_most >= cpu_seconds, file_at_limit)
         if limit is not None:
             return Outcome(False, limit, limit)
         if proc.returncode != 0:
             tail = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             return Outcome(False, tail[:200])
         return Outcome(True, "passed")
+    finally:
+        _remove_tree(tmp)
 
 
-def _a_file_at(directory: Path, file_bytes: int) -> bool:
-    """Whether a file under the program's directory reached the file size limit (RLIMIT_FSIZE stops a
-    write there). CPython ignores SIGXFSZ, so a program dies of it only if it restored the default
-    handler; its file is then here, unless it wrote to bubblewrap's private /tmp (gone with it), where an
-    exit 153 reads as an ordinary exit code."""
-    for root, _, names in os.walk(directory):  # os.walk skips what it cannot read, follows no link
-        for name in names:
-            try:
-                if os.lstat(os.path.join(root, name)).st_size >= file_bytes:
-                    return True
-            except OSError:
-                continue
+def _a_file_at(directory: Path, file_bytes: int, skip: Path, entries: int = 100_000) -> bool:
+    """Whether a file under the program's directory (its own source `skip` aside) reached the file size
+    limit (RLIMIT_FSIZE stops a write there). CPython ignores SIGXFSZ, so a program dies of it only if it
+    restored the default handler, or exec'd a tool; its file is then here, unless it wrote elsewhere
+    (bubblewrap's private /tmp, gone with it; anywhere this user may write, in the fallback), where an
+    exit 153 reads as an ordinary exit code. Iterative and bounded (`entries`): a program may leave a
+    deep or huge tree; what cannot be read counts as no file."""
+    stack, seen = [str(directory)], 0
+    while stack and seen < entries:
+        try:
+            with os.scandir(stack.pop()) as listing:
+                for entry in listing:
+                    seen += 1
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif (entry.is_file(follow_symlinks=False) and entry.path != str(skip)
+                          and entry.stat(follow_symlinks=False).st_size >= file_bytes):
+                        return True
+        except OSError:
+            continue
     return False
+
+
+def _remove_tree(path: str) -> None:
+    """Remove the program's directory whatever it left there: shutil.rmtree recurses once a level (a
+    program that nests directories a few thousand deep makes it raise RecursionError) and stops at a
+    directory the program made unreadable, so `chmod -R u+rwx` and `rm -rf` (coreutils walk iteratively)
+    take over where it fails; a directory left behind is logged, never raised (the outcome stands)."""
+    try:
+        shutil.rmtree(path)
+        return
+    except (OSError, RecursionError):
+        pass
+    subprocess.run(["chmod", "-R", "u+rwx", "--", path], capture_output=True, check=False)
+    done = subprocess.run(["rm", "-rf", "--", path], capture_output=True, text=True, check=False)
+    if done.returncode != 0 or os.path.exists(path):
+        log.warning("code sandbox: could not remove %s: %s", path, done.stderr.strip()[-200:])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
