@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy import stats
 
 from verispec.api import encode_prompt
 from verispec.evaluation.store import read_rows
@@ -95,56 +92,3 @@ def every_nth(rows: list[dict], count: int) -> list[dict]:
     """At most `count` rows, spread evenly over `rows`."""
     return rows[:: max(1, len(rows) // count)][:count]
 
-
-# ------------------------------------------------------- held-out comparisons (scipy, not verispec.stats)
-# The re-scoring scripts compute each planned comparison with this code, written apart from the report's
-# (`verispec.evaluation.stats`), so that a published p is reproduced by other code, not only re-read.
-Scores = dict[tuple[str, str, int], float]  # (config, problem, seed) -> score
-
-
-def unit_differences(scores: Scores, a: str, b: str) -> dict[tuple[str, int], float]:
-    """(problem, seed) -> A - B, on the units both configurations have."""
-    return {(p, s): v - scores[(b, p, s)]
-            for (c, p, s), v in scores.items() if c == a and (b, p, s) in scores}
-
-
-def problem_differences(scores: Scores, a: str, b: str) -> dict[str, float]:
-    """problem -> the mean of A - B over its seeds (the problem is the cluster)."""
-    diffs: dict[str, list[float]] = defaultdict(list)
-    for (p, _), d in unit_differences(scores, a, b).items():
-        diffs[p].append(d)
-    return {p: float(np.mean(v)) for p, v in diffs.items()}
-
-
-def paired_by_problem(scores: Scores, a: str, b: str) -> tuple[float, float, float, float]:
-    """A - B clustered by problem: (mean, 95% t interval low, high, one-sample t-test p) by scipy."""
-    diffs = np.array(list(problem_differences(scores, a, b).values()))
-    mean = float(diffs.mean())
-    half = float(stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(len(diffs)))
-    p = float(stats.ttest_1samp(diffs, 0.0).pvalue) if diffs.std() > 0 else 1.0
-    return mean, mean - half, mean + half, p
-
-
-def paired_text(scores: Scores, a: str, b: str) -> str:
-    """`paired_by_problem` with the exact McNemar test on the (problem, seed) pairs (for scores not 0/1:
-    the sign test, the same binomial test of wins against losses), as one line."""
-    pairs = unit_differences(scores, a, b)
-    mean, low, high, t_p = paired_by_problem(scores, a, b)
-    wins, losses = sum(d > 0 for d in pairs.values()), sum(d < 0 for d in pairs.values())
-    mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
-    binary = all(v in (0.0, 1.0) for (c, _, _), v in scores.items() if c in (a, b))
-    problems = len(problem_differences(scores, a, b))
-    return (f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] t-test p {t_p:.3g}; "
-            f"{'McNemar' if binary else 'sign test'} +{wins}/-{losses} p {mcnemar:.3g} "
-            f"({problems} problems, {len(pairs)} pairs)")
-
-
-def holm_adjusted(p_values: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (Holm 1979), in the input's order; written here, apart from
-    `verispec.evaluation.stats.holm`, for the held-out check."""
-    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
-    adjusted, running = [0.0] * len(p_values), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
-        adjusted[i] = running
-    return adjusted

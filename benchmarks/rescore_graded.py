@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from common import paired_text, problem_differences, unit_differences
+from heldout import paired_text, problem_differences, unit_differences
 
 from verispec.evaluation import comparisons, graded
 

@@ -10,7 +10,7 @@
   whose score differs (e.g. a correct program that timed out while the sweep loaded the machine); then
   each comparison the sweep declared (`--compare`), on the stored and the re-scored rows, by code
   written apart from the report's (scipy's t-test on per-problem mean differences, exact McNemar, Holm
-  over the declared comparisons: `common.paired_text`, `common.holm_adjusted`); --planned alone: those
+  over the declared comparisons: `heldout.paired_text`, `heldout.holm_adjusted`); --planned alone: those
   comparisons on the stored scores, with no re-scoring;
 - with --score-as SUITE: every row's text scored by another suite's scorer (e.g. the old protocol's
   rows, decoded to a 256-token cap with no fence stop, scored as `humaneval-sanitized` scores), each
@@ -37,7 +37,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from common import holm_adjusted, paired_by_problem, paired_text
+from heldout import holm_adjusted, paired_by_problem, paired_text
 
 from verispec.evaluation import comparisons
 from verispec.evaluation.report import row_seconds, summarize
@@ -134,13 +134,19 @@ def rescore(rows: list[dict]) -> list[dict]:
 
 def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str]) -> None:
     """Each declared comparison on the stored and on the re-scored rows, by the held-out code
-    (`common.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
-    the declared comparisons (`common.holm_adjusted`): the report's estimates and p-values reproduced by
+    (`heldout.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
+    the declared comparisons (`heldout.holm_adjusted`): the report's estimates and p-values reproduced by
     other code. A sequential design's thresholds are the report's; this prints the unadjusted and Holm p."""
     print("\nplanned comparisons by the held-out code (scipy; Holm over the declared comparisons):")
+    copied = sum(1 for r in rows if "reused_from" in r)
+    if rescored and copied:
+        print(f"  (re-scored: the {copied} rows copied from other sweeps keep their stored scores)")
     for name, table_rows in (("stored", rows), ("re-scored", rescored)) if rescored else (("stored", rows),):
-        scores = {(r["config"], r["prompt_id"], r["seed"]): float(r["score"]) for r in table_rows
-                  if isinstance(r["score"], (int, float)) and r["score"] == r["score"]}
+        # keyed by the name comparisons give a configuration (temperature by :g), not the row's `config`
+        scores = {(comparisons.config_name(comparisons.config_key(r)), r["prompt_id"], r["seed"]):
+                  float(r["score"]) for r in table_rows
+                  if isinstance(r["score"], (int, float)) and not isinstance(r["score"], bool)
+                  and r["score"] == r["score"]}
         found = [f for spec in declared
                  for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))]
         p_values = [paired_by_problem(scores, f.config_a, f.config_b)[3] for f in found]
@@ -227,6 +233,8 @@ def main() -> None:
         declared = json.loads(settings.read_text()).get("compare") or [] if settings.exists() else []
         if declared:
             planned_comparisons(rows, rescored, declared)
+        elif args.planned:
+            print(f"\nplanned comparisons: {settings} declares none (`--compare`)")
     if args.also and not args.pairs:
         parser.error("--also works with --pairs")
     compared = rows + other_configs(rows, args.also) if args.pairs else rows

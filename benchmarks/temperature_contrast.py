@@ -9,23 +9,42 @@ and the baseline (lossless SD by default, at the same k) have a row in both swee
 minus the baseline's in sweep A, the same in sweep B, and A's difference minus B's, with the clustered
 paired t-test (`verispec.evaluation.stats.clustered_paired`: per-problem means, t on problems - 1 df),
 its interval and the minimum detectable effect (80% power, 0.05 two-sided). The same for the reply length
-(tokens). Each sweep's own rows only: nothing is decoded. Descriptive: the units of A and B are different
-draws (another temperature, another sweep), paired only by problem and seed.
+(tokens). Each sweep holds one temperature (refused otherwise); configurations not in both sweeps with
+the baseline are named and left out. Each sweep's own rows only: nothing is decoded. Descriptive: the
+units of A and B are different draws (another temperature, another sweep), paired only by problem and
+seed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 from verispec.evaluation import stats, store
-from verispec.evaluation.comparisons import PLAIN, config_key
+from verispec.evaluation.comparisons import PLAIN, canonical_side, config_key
+
+Units = dict[tuple[str, int], dict[tuple[str, int], dict]]  # (rule, k) -> {(problem, seed): row}
 
 
-def _by_config(rows: list[dict], seeds: set[int] | None) -> dict[tuple[str, int], dict[tuple, dict]]:
-    """(rule, k) -> {(problem, seed): row} for chain rows (one temperature per sweep is checked)."""
-    out: dict[tuple[str, int], dict[tuple, dict]] = {}
+def _score(row: dict) -> float | None:
+    """The row's score, or None where the scorer could not run (None, NaN, not a number)."""
+    value = row.get("score")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _tokens(row: dict) -> float:
+    return float(row["tokens"])
+
+
+def _by_config(rows: list[dict], seeds: set[int] | None, side: str) -> Units:
+    """Chain rows by (rule, k); rows at more than one temperature are refused (a side is one setting)."""
+    temperatures = sorted({row["temperature"] for row in rows})
+    if len(temperatures) > 1:
+        raise ValueError(f"sweep {side} has rows at several temperatures {temperatures}: one setting a side")
+    out: Units = {}
     for row in rows:
         rule, k, _, tree = config_key(row)
         if tree is None and (seeds is None or row["seed"] in seeds):
@@ -33,30 +52,38 @@ def _by_config(rows: list[dict], seeds: set[int] | None) -> dict[tuple[str, int]
     return out
 
 
-def _temperature(rows: list[dict], where: Path) -> float:
-    temperatures = sorted({row["temperature"] for row in rows})
-    if len(temperatures) != 1:
-        raise SystemExit(f"{where}: expected rows at one temperature, found {temperatures}")
-    return temperatures[0]
+def _base(baseline: str, k: int) -> tuple[str, int]:
+    return baseline, 0 if baseline == PLAIN else k  # plain has no k
+
+
+def unmatched(rows_a: list[dict], rows_b: list[dict], baseline: str = "lossless") -> list[str]:
+    """The chain configurations ('rule k=K') that `contrast` cannot pair: in one sweep only, or without
+    the baseline at their k in both."""
+    baseline = canonical_side(baseline)
+    a, b = _by_config(rows_a, None, "A"), _by_config(rows_b, None, "B")
+    both = set(a) & set(b)
+    return [f"{rule} k={k}" for rule, k in sorted(set(a) | set(b))
+            if rule not in (baseline, PLAIN) and not {(rule, k), _base(baseline, k)} <= both]
 
 
 def contrast(rows_a: list[dict], rows_b: list[dict], baseline: str = "lossless",
-             seeds: set[int] | None = None, value: Callable[[dict], float] = lambda r: float(r["score"]),
+             seeds: set[int] | None = None, value: Callable[[dict], float | None] = _score,
              ) -> dict[str, tuple[stats.PairedEstimate, stats.PairedEstimate, stats.PairedEstimate]]:
     """rule -> (its effect in A, its effect in B, A's effect minus B's), each over the (problem, seed)
-    units where the rule and the baseline have rows in both A and B; rows with a non-numeric value
-    are left out."""
-    a, b = _by_config(rows_a, seeds), _by_config(rows_b, seeds)
+    units where the rule and the baseline have rows in both A and B; units where any of the four values
+    is None or NaN are left out. `baseline`: a rule spec (canonicalised as the report does) or `plain`."""
+    baseline = canonical_side(baseline)
+    a, b = _by_config(rows_a, seeds, "A"), _by_config(rows_b, seeds, "B")
     out = {}
     for rule, k in sorted(set(a) & set(b)):
-        base = (baseline, 0 if baseline == PLAIN else k)  # plain has no k
+        base = _base(baseline, k)
         if rule in (baseline, PLAIN) or base not in a or base not in b:
             continue
         in_a, in_b = [], []
         for unit in sorted(set(a[(rule, k)]) & set(a[base]) & set(b[(rule, k)]) & set(b[base])):
             values = [value(a[(rule, k)][unit]), value(a[base][unit]),
                       value(b[(rule, k)][unit]), value(b[base][unit])]
-            if any(v is None or v != v for v in values):
+            if any(v is None or math.isnan(v) for v in values):
                 continue
             in_a.append((unit[0], values[0] - values[1]))
             in_b.append((unit[0], values[2] - values[3]))
@@ -79,16 +106,23 @@ def main() -> None:
     args = parser.parse_args()
     rows_a = store.read_rows(store.results_file(args.sweep_a))
     rows_b = store.read_rows(store.results_file(args.sweep_b))
-    t_a, t_b = _temperature(rows_a, args.sweep_a), _temperature(rows_b, args.sweep_b)
     seeds = set(args.seeds) if args.seeds else None
+    try:
+        left_out = unmatched(rows_a, rows_b, args.baseline)
+    except ValueError as err:
+        raise SystemExit(f"temperature_contrast: {err}") from None
+    t_a, t_b = (rows[0]["temperature"] if rows else math.nan for rows in (rows_a, rows_b))
     print(f"A = {args.sweep_a} (T = {t_a:g}), B = {args.sweep_b} (T = {t_b:g}); each rule minus "
-          f"{args.baseline}, seeds {sorted(seeds) if seeds else 'all shared'}; clustered by problem")
-    for name, value in (("score", lambda r: float(r["score"])), ("tokens", lambda r: float(r["tokens"]))):
+          f"{canonical_side(args.baseline)}, seeds {sorted(seeds) if seeds else 'all shared'}; clustered by "
+          "problem")
+    if left_out:
+        print(f"not in both sweeps with the baseline, left out: {', '.join(left_out)}")
+    for name, value in (("score", _score), ("tokens", _tokens)):
         print(f"\n{name}:")
         print("| rule | problems | units | A: rule - base | B: rule - base | A - B | p | MDE |")
         print("|---|---|---|---|---|---|---|---|")
         for rule, (in_a, in_b, diff) in contrast(rows_a, rows_b, args.baseline, seeds, value).items():
-            mde = stats.minimum_detectable_effect(diff.se) if diff.se == diff.se else float("nan")
+            mde = stats.minimum_detectable_effect(diff.se) if math.isfinite(diff.se) else math.nan
             print(f"| {rule} | {diff.clusters} | {diff.units} | {_text(in_a)} | {_text(in_b)} | "
                   f"{_text(diff)} | {diff.p_value:.3g} | {mde:.3f} |")
 

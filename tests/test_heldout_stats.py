@@ -1,4 +1,4 @@
-"""benchmarks/common.py's held-out statistics (scipy, written apart from verispec.evaluation.stats) agree
+"""benchmarks/heldout.py's held-out statistics (scipy, written apart from verispec.evaluation.stats) agree
 with the report's on the same numbers: the check that a published p is reproduced by other code."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from helpers import load_benchmark
 
 from verispec.evaluation import stats
 
-common = load_benchmark("common")
+heldout = load_benchmark("heldout")
 
 
 def test_holm_adjusted_equals_the_reports_holm():
     rng = np.random.default_rng(0)
     for size in (1, 2, 3, 5):
         p_values = list(rng.uniform(0, 0.2, size))
-        assert common.holm_adjusted(p_values) == pytest.approx(stats.holm(p_values))
-    assert common.holm_adjusted([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])  # by hand
+        assert heldout.holm_adjusted(p_values) == pytest.approx(stats.holm(p_values))
+    assert heldout.holm_adjusted([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])  # by hand
 
 
 def test_paired_by_problem_equals_the_reports_clustered_test():
@@ -29,7 +29,22 @@ def test_paired_by_problem_equals_the_reports_clustered_test():
             scores[("A", f"p{problem}", seed)], scores[("B", f"p{problem}", seed)] = a, b
             triples.append((f"p{problem}", a, b))
     scores[("A", "p99", 0)] = 1.0  # no B row: not a pair
-    mean, low, high, p = common.paired_by_problem(scores, "A", "B")
+    mean, low, high, p = heldout.paired_by_problem(scores, "A", "B")
     ours = stats.clustered_paired(triples)
     assert (mean, low, high, p) == pytest.approx((ours.estimate, ours.low, ours.high, ours.p_value))
-    assert "(30 problems, 90 pairs)" in common.paired_text(scores, "A", "B")
+    assert "(30 problems, 90 pairs)" in heldout.paired_text(scores, "A", "B")
+
+
+def test_the_edge_cases_follow_the_reports_conventions():
+    one = {("A", "p0", 0): 1.0, ("B", "p0", 0): 0.0}
+    mean, low, high, p = heldout.paired_by_problem(one, "A", "B")  # one problem: no interval, no p
+    ours = stats.clustered_paired([("p0", 1.0, 0.0)])
+    assert mean == ours.estimate == 1.0 and all(np.isnan(v) for v in (low, high, p, ours.p_value))
+    assert all(np.isnan(v) for v in heldout.paired_by_problem({}, "A", "B"))
+    same = {(c, f"p{i}", 0): v for i in range(3) for c, v in (("A", 1.0), ("B", 0.0))}
+    assert heldout.paired_by_problem(same, "A", "B") == (1.0, 1.0, 1.0, 0.0)  # no spread, mean 1
+    assert stats.clustered_paired([(f"p{i}", 1.0, 0.0) for i in range(3)]).p_value == 0.0
+    tied = {(c, f"p{i}", 0): 1.0 for i in range(3) for c in ("A", "B")}
+    assert heldout.paired_by_problem(tied, "A", "B")[3] == 1.0
+    adjusted = heldout.holm_adjusted([float("nan"), 0.01, 0.04])
+    assert np.isnan(adjusted[0]) and adjusted[1:] == pytest.approx(stats.holm([float("nan"), 0.01, 0.04])[1:])

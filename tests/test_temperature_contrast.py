@@ -50,3 +50,24 @@ def test_plain_as_the_baseline_matches_any_k():
     rows_b = [dict(r, temperature=0.7, score=0) for r in rows_a]
     in_a, in_b, diff = contrast_module.contrast(rows_a, rows_b, baseline="plain")["lossless"]
     assert (in_a.estimate, in_b.estimate, diff.estimate) == (0.5, 0.0, 0.5)
+
+
+def test_missing_scores_several_temperatures_and_unmatched_rules():
+    rows_a = [_row("lenience:l=0.25", 4, "p0", 0, None, 1.0), _row("lossless", 4, "p0", 0, 1, 1.0),
+              _row("lenience:l=0.25", 4, "p1", 0, 1, 1.0), _row("lossless", 4, "p1", 0, 0, 1.0),
+              _row("cos:w=0.9", 4, "p1", 0, 1, 1.0)]  # cos only in A
+    rows_b = [dict(r, temperature=0.7, score=0) for r in rows_a[:4]]
+    out = contrast_module.contrast(rows_a, rows_b)
+    assert list(out) == ["lenience:l=0.25"] and out["lenience:l=0.25"][2].units == 1  # p0's None: out
+    assert contrast_module.unmatched(rows_a, rows_b) == ["cos:w=0.9 k=4"]
+    with pytest.raises(ValueError, match="several temperatures"):
+        contrast_module.contrast(rows_a + rows_b, rows_b)
+
+
+def test_the_baseline_is_read_as_the_report_spells_it():
+    rule, base = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
+    rows_a = [_row(rule, 4, "p0", 0, 1, 1.0), _row(base, 4, "p0", 0, 0, 1.0),
+              _row(rule, 4, "p1", 0, 0, 1.0), _row(base, 4, "p1", 0, 0, 1.0)]
+    rows_b = [dict(r, temperature=0.7) for r in rows_a]
+    out = contrast_module.contrast(rows_a, rows_b, baseline="honest:speccascade:min_p=0.1")
+    assert out[rule][0].estimate == 0.5

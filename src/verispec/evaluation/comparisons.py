@@ -136,6 +136,7 @@ def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
 
 
 def config_name(key: tuple) -> str:
+    """A `config_key`'s name as comparisons print it (`Comparison.config_a`): the temperature by `:g`."""
     rule, k, temperature, tree = key
     shape = f" {tree}" if tree else ""
     return f"plain T={temperature:g}" if rule == PLAIN else f"{rule}{shape} k={k} T={temperature:g}"
