@@ -119,6 +119,24 @@ def test_tier_table_on_constructed_rows():
     assert comparisons.tier_table([r for r in rows if r["rule"] != GATE], baseline_of) == ""  # no rule
 
 
+def test_the_collaborative_rules_are_tiered_against_lossless():
+    """A rule whose baseline is lossless SD (cos, lenience, budget) gets a tier line against lossless:
+    here cos loses 1 on the hard problems only; a rule whose baseline has no rows gets none."""
+    rows = []
+    for n in range(8):
+        easy = n % 2 == 0
+        for seed in range(3):
+            problem = f"HumanEval/{n}"
+            rows += [row("plain", problem, float(easy), seed), row("lossless", problem, 1.0, seed),
+                     row("cos:w=0.9", problem, 1.0 if easy else 0.0, seed)]
+    table = comparisons.tier_table(rows, baseline_of)
+    cos_line = next(line for line in table.splitlines() if line.startswith("cos:w=0.9 k=4 T=1 - lossless"))
+    assert "-1.000 [-1.000, -1.000] n=12" in cos_line and "+0.000 [+0.000, +0.000] n=12" in cos_line
+    assert "lossless k=4 T=1 - plain (same law)" in table
+    no_lossless = [r for r in rows if r["rule"] != "lossless"]
+    assert comparisons.tier_table(no_lossless, baseline_of) == ""  # cos's baseline has no rows
+
+
 @pytest.fixture(scope="module")
 def seed_rows():
     if not (SEEDS / "results.jsonl").exists():

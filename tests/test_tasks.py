@@ -220,6 +220,13 @@ def test_level_table_on_constructed_rows(prefix):
     assert plain_slope[0] == "-0.500" and plain_slope[-2] == "p", plain_line
     assert float(plain_slope[2].rstrip("]")) < 0, plain_line
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""
+    # a collaborative rule is read against lossless SD, printed as such, after the truncation rules
+    both = rows + [row(r, f"{prefix}-L{lv}-{n:02d}", 1.0 if r == "lossless" or lv == 1 else 0.0, seed)
+                   for n in range(6) for seed in (0, 1) for lv in (1, 2) for r in ("lossless", "cos:w=0.9")]
+    lines = comparisons.level_table(both, baseline_of).splitlines()
+    cos_line = next(line for line in lines if line.startswith("cos:w=0.9 k=4 T=1 - lossless"))
+    assert "+0.000 [+0.000, +0.000] n=6" in cos_line and "-1.000 [-1.000, -1.000] n=6" in cos_line
+    assert lines.index(gate_line) < lines.index(cos_line)
 
 
 def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suite():

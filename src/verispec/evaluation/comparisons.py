@@ -538,16 +538,25 @@ def _differences(rows: list[dict], key: tuple, base: str) -> list[tuple[str, int
     return [(problem, seed, va - vb) for problem, seed, va, vb, _, _ in _pairs(units, key, base_key)]
 
 
-def _honest_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
-    """(config key, its honest truncation baseline) for every truncation rule among the chain rows (a
-    tree has no honest baseline: docs/design.md, 'Trees')."""
+def _rule_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
+    """(config key, its baseline) for every rule among the chain rows that has one besides plain: a
+    truncation rule's honest truncation sampler, lossless SD for the others (collaborative, bounded),
+    where the baseline has rows too; truncation rules first (a tree has no honest baseline:
+    docs/design.md, 'Trees'; its rows are left out)."""
     configs = list(dict.fromkeys(config_key(r) for r in rows if not r.get("tree")))
+    present = {key[0] for key in configs}
     out = []
     for key in configs:
         base = baseline_of(key[0]) if key[0] != PLAIN else None
-        if base is not None and base.startswith("honest:"):
+        if base is not None and base != PLAIN and base in present:
             out.append((key, base))
-    return out
+    return sorted(out, key=lambda pair: not pair[1].startswith("honest:"))
+
+
+def _baseline_suffix(base: str) -> str:
+    """How a level or tier row names its baseline: nothing for a truncation rule's honest sampler (the
+    tables' legend says so), ' - lossless' for the other rules, ' - plain (same law)' for lossless."""
+    return " - plain (same law)" if base == PLAIN else " - lossless" if base == "lossless" else ""
 
 
 def _calibration_configs(rows: list[dict]) -> list[tuple[tuple, str]]:
@@ -564,20 +573,21 @@ def _slope_text(e: stats.PairedEstimate) -> str:
 
 def level_table(rows: list[dict], baseline_of) -> str:
     """For a graded suite (prompt ids 'graded-L<level>-<nn>' or 'graded-steps-L<level>-<nn>',
-    `verispec.evaluation.graded`): per level, each truncation rule's score minus its honest truncation
-    sampler's (`baseline_of` names it), with its 95% interval clustered by problem, the trend (the slope
-    of that difference per level, clustered by problem: `stats.clustered_slope`), the same for lossless
+    `verispec.evaluation.graded`): per level, each rule's score minus its baseline's (`baseline_of`:
+    a truncation rule's honest truncation sampler, lossless SD for the others), with its 95% interval
+    clustered by problem, the trend (the slope of that difference per level, clustered by problem:
+    `stats.clustered_slope`), the same for lossless
     minus plain (the same law) as a check, and plain decoding's score per level with its own slope (the
     difficulty itself: a trend in the gap reads as a difficulty trend only where that slope is negative);
-    empty when the rows have no levels or no rule with an honest baseline."""
+    empty when the rows have no levels or no rule with a baseline."""
     levels = sorted({lv for r in rows if (lv := level_of(r["prompt_id"])) is not None})
     if not levels:
         return ""
     head = ["config - baseline", *[f"level {lv}" for lv in levels], "trend per level"]
     body = []
-    honest = _honest_configs(rows, baseline_of)
-    for key, base in honest + (_calibration_configs(rows) if honest else []):
-        cells = [config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
+    ruled = _rule_configs(rows, baseline_of)
+    for key, base in ruled + (_calibration_configs(rows) if ruled else []):
+        cells = [config_name(key) + _baseline_suffix(base)]
         for lv in levels:
             subset = [r for r in rows if level_of(r["prompt_id"]) == lv]
             found = [c for c in compare(subset, key[0], base) if c.config_a == config_name(key)]
@@ -598,7 +608,8 @@ def level_table(rows: list[dict], baseline_of) -> str:
             _slope_text(stats.clustered_slope(plain_points))])
     if len(body) == (1 if plain else 0):
         return ""
-    return text_table(head, body) + ("\n(per level: the rule's score minus its honest truncation sampler's "
+    return text_table(head, body) + ("\n(per level: the rule's score minus its baseline's (a truncation "
+                                     "rule's honest truncation sampler, lossless SD for the others) "
                                      "on the same (problem, seed), mean [95% interval clustered by "
                                      "problem], whatever its direction; trend: the least-squares slope of "
                                      "that difference on the level, cluster-robust by problem, with its "
@@ -640,15 +651,16 @@ def tier_name(rate: float) -> str:
 
 def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     """For suites without graded levels, on sweeps with at least two seeds of the reference
-    configuration: each truncation rule's score minus its honest truncation sampler's per difficulty
-    tier (`difficulty_tiers`, `tier_name`), with its 95% interval clustered by problem, the trend (the
-    slope of that difference on the reference's leave-one-seed-out pass rate, clustered by problem), the
-    same for lossless minus plain (the same law) as a check, and the reference's own score per tier on the
-    held-out seed (how hard the tier is on fresh draws); empty when there is nothing to tier."""
+    configuration: each rule's score minus its baseline's (a truncation rule's honest truncation
+    sampler, lossless SD for the others) per difficulty tier (`difficulty_tiers`, `tier_name`), with its
+    95% interval clustered by problem, the trend (the slope of that difference on the reference's
+    leave-one-seed-out pass rate, clustered by problem), the same for lossless minus plain (the same law)
+    as a check, and the reference's own score per tier on the held-out seed (how hard the tier is on
+    fresh draws); empty when there is nothing to tier."""
     if any(level_of(r["prompt_id"]) is not None for r in rows):
         return ""
     rate = difficulty_tiers(rows, reference)
-    configs = _honest_configs(rows, baseline_of)
+    configs = _rule_configs(rows, baseline_of)
     if not rate or not configs:
         return ""
     configs += _calibration_configs(rows)
@@ -659,7 +671,7 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     head = ["config - baseline", *TIERS, "trend per unit pass rate"]
     body = []
     for key, base in configs:
-        cells = [config_name(key) + (" - plain (same law)" if base == PLAIN else "")]
+        cells = [config_name(key) + _baseline_suffix(base)]
         points = [(problem, rate[(problem, seed, key[2])], d)
                   for problem, seed, d in _differences(rows, key, base) if (problem, seed, key[2]) in rate]
         for name in TIERS:
@@ -676,7 +688,8 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     return text_table(head, body) + (
         f"\n(tiers: {reference}'s pass rate on the same problem over the other seeds (leave one seed out): "
         "hard = never solved, easy = always, middle = in between; per tier: the rule's score minus its "
-        "honest truncation sampler's on the same (problem, seed), the mean over (problem, seed) pairs "
+        "baseline's (a truncation rule's honest truncation sampler, lossless SD for the others) on the "
+        "same (problem, seed), the mean over (problem, seed) pairs "
         "[95% interval, cluster-robust by problem], n = pairs, whatever its direction; trend: the "
         "least-squares slope of that difference on the leave-one-seed-out pass rate, cluster-robust by "
         "problem (positive: the rule falls further behind on harder problems); same law: lossless "
