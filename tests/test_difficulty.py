@@ -135,6 +135,10 @@ def test_the_collaborative_rules_are_tiered_against_lossless():
     assert "lossless k=4 T=1 - plain (same law)" in table
     no_lossless = [r for r in rows if r["rule"] != "lossless"]
     assert comparisons.tier_table(no_lossless, baseline_of) == ""  # cos's baseline has no rows
+    at_another_t = [dict(r, temperature=0.7) if r["rule"] == "lossless" else r for r in rows]
+    assert "cos:w=0.9" not in comparisons.tier_table(at_another_t, baseline_of)
+    loglik = [dict(r, score=-1.5 + r["score"]) for r in rows]  # not a pass rate: no tiers
+    assert comparisons.tier_table(loglik, baseline_of) == ""
 
 
 @pytest.fixture(scope="module")

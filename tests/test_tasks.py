@@ -221,12 +221,16 @@ def test_level_table_on_constructed_rows(prefix):
     assert float(plain_slope[2].rstrip("]")) < 0, plain_line
     assert comparisons.level_table([row(gate, "HumanEval/1", 1.0)], baseline_of) == ""
     # a collaborative rule is read against lossless SD, printed as such, after the truncation rules
-    both = rows + [row(r, f"{prefix}-L{lv}-{n:02d}", 1.0 if r == "lossless" or lv == 1 else 0.0, seed)
-                   for n in range(6) for seed in (0, 1) for lv in (1, 2) for r in ("lossless", "cos:w=0.9")]
-    lines = comparisons.level_table(both, baseline_of).splitlines()
+    collab = [row(r, f"{prefix}-L{lv}-{n:02d}", 1.0 if r == "lossless" or lv == 1 else 0.0, seed)
+              for n in range(6) for seed in (0, 1) for lv in (1, 2) for r in ("lossless", "cos:w=0.9")]
+    lines = comparisons.level_table(collab + rows, baseline_of).splitlines()  # cos's rows come first
     cos_line = next(line for line in lines if line.startswith("cos:w=0.9 k=4 T=1 - lossless"))
     assert "+0.000 [+0.000, +0.000] n=6" in cos_line and "-1.000 [-1.000, -1.000] n=6" in cos_line
-    assert lines.index(gate_line) < lines.index(cos_line)
+    gate_at = next(i for i, line in enumerate(lines) if line.startswith(f"{gate} k=4 T=1 - honest"))
+    assert gate_at < lines.index(cos_line)
+    # a baseline at another k (or temperature) pairs with nothing: no row for the rule
+    other_k = [dict(r, k=8) if r["rule"] == "lossless" else r for r in collab + rows]
+    assert "cos:w=0.9" not in comparisons.level_table(other_k, baseline_of)
 
 
 def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suite():

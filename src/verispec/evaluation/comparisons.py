@@ -541,22 +541,23 @@ def _differences(rows: list[dict], key: tuple, base: str) -> list[tuple[str, int
 def _rule_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
     """(config key, its baseline) for every rule among the chain rows that has one besides plain: a
     truncation rule's honest truncation sampler, lossless SD for the others (collaborative, bounded),
-    where the baseline has rows too; truncation rules first (a tree has no honest baseline:
-    docs/design.md, 'Trees'; its rows are left out)."""
+    where the baseline has rows at the rule's k and temperature (what `_differences` pairs); truncation
+    rules first. Tree rows are left out: a tree has no honest baseline nor one single-draft law
+    (docs/design.md, 'Trees')."""
     configs = list(dict.fromkeys(config_key(r) for r in rows if not r.get("tree")))
-    present = {key[0] for key in configs}
+    present = {key[:3] for key in configs}
     out = []
     for key in configs:
         base = baseline_of(key[0]) if key[0] != PLAIN else None
-        if base is not None and base != PLAIN and base in present:
+        if base is not None and base != PLAIN and (base, key[1], key[2]) in present:
             out.append((key, base))
     return sorted(out, key=lambda pair: not pair[1].startswith("honest:"))
 
 
 def _baseline_suffix(base: str) -> str:
-    """How a level or tier row names its baseline: nothing for a truncation rule's honest sampler (the
-    tables' legend says so), ' - lossless' for the other rules, ' - plain (same law)' for lossless."""
-    return " - plain (same law)" if base == PLAIN else " - lossless" if base == "lossless" else ""
+    """How a level or tier row names its baseline: ' - honest' (a truncation rule's honest sampler),
+    ' - lossless' (the other rules), ' - plain (same law)' (lossless, the calibration row)."""
+    return " - plain (same law)" if base == PLAIN else " - lossless" if base == "lossless" else " - honest"
 
 
 def _calibration_configs(rows: list[dict]) -> list[tuple[tuple, str]]:
@@ -613,7 +614,10 @@ def level_table(rows: list[dict], baseline_of) -> str:
                                      "on the same (problem, seed), mean [95% interval clustered by "
                                      "problem], whatever its direction; trend: the least-squares slope of "
                                      "that difference on the level, cluster-robust by problem, with its "
-                                     "95% interval and p; same law: lossless minus plain, "
+                                     "95% interval and p, one uncorrected test a row (a difference "
+                                     "is bounded by the baseline's own score: a rule far behind "
+                                     "cannot lose where the baseline fails, so part of a trend can be "
+                                     "that floor); same law: lossless minus plain, "
                                      "so neither a gap nor a trend is expected; plain score: plain "
                                      "decoding's mean score per level, and its slope on the level, negative "
                                      "where the levels are difficulty levels)")
@@ -656,9 +660,13 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
     95% interval clustered by problem, the trend (the slope of that difference on the reference's
     leave-one-seed-out pass rate, clustered by problem), the same for lossless minus plain (the same law)
     as a check, and the reference's own score per tier on the held-out seed (how hard the tier is on
-    fresh draws); empty when there is nothing to tier."""
+    fresh draws); empty when there is nothing to tier or the reference's scores are not 0/1."""
     if any(level_of(r["prompt_id"]) is not None for r in rows):
         return ""
+    reference_scores = [v for r in rows if r["rule"] == reference
+                        and isinstance(v := r.get("score"), (int, float)) and math.isfinite(v)]
+    if not all(v in (0, 1) for v in reference_scores):
+        return ""  # tiers are read from a pass rate: a score that is not 0/1 (log-likelihood) has none
     rate = difficulty_tiers(rows, reference)
     configs = _rule_configs(rows, baseline_of)
     if not rate or not configs:
@@ -692,6 +700,8 @@ def tier_table(rows: list[dict], baseline_of, reference: str = PLAIN) -> str:
         "same (problem, seed), the mean over (problem, seed) pairs "
         "[95% interval, cluster-robust by problem], n = pairs, whatever its direction; trend: the "
         "least-squares slope of that difference on the leave-one-seed-out pass rate, cluster-robust by "
-        "problem (positive: the rule falls further behind on harder problems); same law: lossless "
+        "problem (positive: the rule falls further behind on harder problems), one uncorrected test a "
+        "row (a difference is bounded by the baseline's own pass rate: a rule far behind cannot lose "
+        "where the baseline fails, so part of a trend can be that floor); same law: lossless "
         "minus plain, the same law, so neither a gap nor a trend is expected (plain's own row is in no "
         f"tier it was read from); last line: {reference}'s score in each tier on the held-out seed)")
