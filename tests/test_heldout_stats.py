@@ -48,3 +48,35 @@ def test_the_edge_cases_follow_the_reports_conventions():
     assert heldout.paired_by_problem(tied, "A", "B")[3] == 1.0
     adjusted = heldout.holm_adjusted([float("nan"), 0.01, 0.04])
     assert np.isnan(adjusted[0]) and adjusted[1:] == pytest.approx(stats.holm([float("nan"), 0.01, 0.04])[1:])
+
+
+def test_sweep_stats_planned_prints_each_declared_comparison_and_holm(capsys):
+    """`sweep_stats.py --planned` on constructed rows: each declared comparison's estimate and p equal
+    the report's clustered test, Holm runs over the declared comparisons only, and re-scored rows are
+    read where given (a row at T = 0.7 named as the report names it: 'T=0.7')."""
+    sweep_stats = load_benchmark("sweep_stats")
+    rng = np.random.default_rng(2)
+    rows = []
+    for problem in range(12):
+        for seed in (0, 1):
+            for rule, k, rate in (("plain", 0, 0.5), ("lossless", 4, 0.5), ("cos:w=0.9", 4, 0.2),
+                                  ("lenience:l=0.25", 4, 0.45)):
+                rows.append({"rule": rule, "k": k, "temperature": 0.7, "tree": None, "seed": seed,
+                             "prompt_id": f"HumanEval/{problem}", "score": float(rng.random() < rate),
+                             "finish": "stop", "tokens": 10, "config": f"{rule} T=0.7000000001"})
+    declared = ["cos:w=0.9 vs lossless", "lenience:l=0.25 vs lossless"]
+    rescored = [dict(r, score=1.0) if r["rule"] == "cos:w=0.9" else r for r in rows]
+    sweep_stats.planned_comparisons(rows, rescored, declared)
+    out = capsys.readouterr().out
+    expected = []
+    for rule in ("cos:w=0.9", "lenience:l=0.25"):
+        triples = [(a["prompt_id"], a["score"], b["score"]) for a in rows for b in rows
+                   if a["rule"] == rule and b["rule"] == "lossless"
+                   and (a["prompt_id"], a["seed"]) == (b["prompt_id"], b["seed"])]
+        expected.append(stats.clustered_paired(triples))
+    holm = stats.holm([e.p_value for e in expected])
+    for e, h in zip(expected, holm):
+        assert f"{e.estimate:+.3f} [{e.low:+.3f}, {e.high:+.3f}] t-test p {e.p_value:.3g}" in out
+        assert f"Holm p {h:.3g}" in out
+    assert "(12 problems, 24 pairs)" in out and "re-scored: cos:w=0.9 k=4 T=0.7" in out
+    assert "lossless k=4 T=0.7 - plain" not in out  # the calibration row is not declared here
