@@ -3,9 +3,11 @@ with the report's on the same numbers: the check that a published p is reproduce
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
-from helpers import load_benchmark
+from helpers import REPO, load_benchmark
 
 from verispec.evaluation import stats
 
@@ -80,3 +82,21 @@ def test_sweep_stats_planned_prints_each_declared_comparison_and_holm(capsys):
         assert f"Holm p {h:.3g}" in out
     assert "(12 problems, 24 pairs)" in out and "re-scored: cos:w=0.9 k=4 T=0.7" in out
     assert "lossless k=4 T=0.7 - plain" not in out  # the calibration row is not declared here
+
+
+def test_rescore_returns_decoded_rows_rescored_and_copied_rows_as_stored(capsys):
+    """sweep_stats.rescore on committed graded-steps rows (scored without the sandbox): a decoded row
+    whose stored score was tampered with is named and comes back with its true score; a copied row
+    (`reused_from`) is left to its own sweep and comes back as stored."""
+    sweep_stats = load_benchmark("sweep_stats")
+    path = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps" / "results.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} is not in this checkout")
+    with path.open() as f:
+        rows = [r for r in map(json.loads, f) if "reused_from" not in r][:3]  # decoded in that sweep
+    tampered = dict(rows[0], score=1.0 - rows[0]["score"])
+    copied = dict(rows[1], score=1.0 - rows[1]["score"], reused_from="elsewhere")
+    out_rows = sweep_stats.rescore([tampered, copied, rows[2]])
+    printed = capsys.readouterr().out
+    assert "rescored 2 rows: 1 differ" in printed and "1 rows copied from another sweep" in printed
+    assert [r["score"] for r in out_rows] == [rows[0]["score"], copied["score"], rows[2]["score"]]
