@@ -91,4 +91,3 @@ class FreshPass:
 def every_nth(rows: list[dict], count: int) -> list[dict]:
     """At most `count` rows, spread evenly over `rows`."""
     return rows[:: max(1, len(rows) // count)][:count]
-

@@ -54,7 +54,7 @@ def paired_text(scores: Scores, a: str, b: str) -> str:
     wins, losses = sum(d > 0 for d in pairs.values()), sum(d < 0 for d in pairs.values())
     mcnemar = stats.binomtest(wins, wins + losses, 0.5).pvalue if wins + losses else 1.0
     binary = all(v in (0.0, 1.0) for (c, _, _), v in scores.items() if c in (a, b))
-    problems = len(problem_differences(scores, a, b))
+    problems = len({problem for problem, _ in pairs})
     return (f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] t-test p {t_p:.3g}; "
             f"{'McNemar' if binary else 'sign test'} +{wins}/-{losses} p {mcnemar:.3g} "
             f"({problems} problems, {len(pairs)} pairs)")

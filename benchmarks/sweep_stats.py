@@ -40,7 +40,7 @@ from pathlib import Path
 from heldout import holm_adjusted, paired_by_problem, paired_text
 
 from verispec.evaluation import comparisons
-from verispec.evaluation.report import row_seconds, summarize
+from verispec.evaluation.report import is_score, row_seconds, summarize
 from verispec.evaluation.store import read_rows
 
 
@@ -144,9 +144,7 @@ def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared:
     for name, table_rows in (("stored", rows), ("re-scored", rescored)) if rescored else (("stored", rows),):
         # keyed by the name comparisons give a configuration (temperature by :g), not the row's `config`
         scores = {(comparisons.config_name(comparisons.config_key(r)), r["prompt_id"], r["seed"]):
-                  float(r["score"]) for r in table_rows
-                  if isinstance(r["score"], (int, float)) and not isinstance(r["score"], bool)
-                  and r["score"] == r["score"]}
+                  float(r["score"]) for r in table_rows if is_score(r["score"])}
         found = [f for spec in declared
                  for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))]
         p_values = [paired_by_problem(scores, f.config_a, f.config_b)[3] for f in found]
@@ -169,7 +167,7 @@ def score_as(rows: list[dict], suite_name: str) -> list[dict]:
 
 
 def pairs(rows: list[dict]) -> None:
-    from verispec.evaluation.report import is_score, mcnemar_exact, newcombe_paired_interval, paired_table
+    from verispec.evaluation.report import mcnemar_exact, newcombe_paired_interval, paired_table
 
     scores = defaultdict(dict)  # config -> (prompt, seed) -> score (a scorer that could not run: left out)
     for row in rows:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from verispec.evaluation import stats, store
 from verispec.evaluation.comparisons import PLAIN, canonical_side, config_key
+from verispec.evaluation.report import is_score
 
 Units = dict[tuple[str, int], dict[tuple[str, int], dict]]  # (rule, k) -> {(problem, seed): row}
 
@@ -31,8 +32,7 @@ Units = dict[tuple[str, int], dict[tuple[str, int], dict]]  # (rule, k) -> {(pro
 def _score(row: dict) -> float | None:
     """The row's score, or None where the scorer could not run (None, NaN, not a number)."""
     value = row.get("score")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    return float(value) if is_score(value) else None
 
 
 def _tokens(row: dict) -> float:
