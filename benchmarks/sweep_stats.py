@@ -12,6 +12,9 @@
   written apart from the report's (scipy's t-test on per-problem mean differences, exact McNemar, Holm
   over the declared comparisons: `heldout.paired_text`, `heldout.holm_adjusted`); --planned alone: those
   comparisons on the stored scores, with no re-scoring;
+- with --timed-out SECONDS: every row the sweep failed by timeout (the report's timeout note) run again
+  with a limit of SECONDS, and whether it now passes, fails or times out again: a correct program slowed
+  by a loaded machine passes; one that never ends times out again (copied rows included, named so);
 - with --score-as SUITE: every row's text scored by another suite's scorer (e.g. the old protocol's
   rows, decoded to a 256-token cap with no fence stop, scored as `humaneval-sanitized` scores), each
   configuration's mean printed, and those scores used by --pairs: what a change of scoring alone does;
@@ -132,6 +135,28 @@ def rescore(rows: list[dict]) -> list[dict]:
     return [dict(r, score=again_by_row[id(r)]) if id(r) in again_by_row else r for r in rows]
 
 
+def timed_out_again(rows: list[dict], seconds: float) -> list[str]:
+    """Run each row that timed out in the sweep again in the sandbox with a limit of `seconds` (its
+    suite's program on its text); a line a row, printed and returned."""
+    from verispec.evaluation.sandbox import run_sandboxed
+    from verispec.evaluation.suites import load_suite
+
+    timed_out = [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
+    lines = [f"\nrows that timed out in the sweep, run again with a {seconds:g} s limit: {len(timed_out)}"]
+    print(lines[0])
+    for suite_name in dict.fromkeys(r["suite"] for r in timed_out):
+        suite = load_suite(suite_name)
+        items = {item.id: item for item in suite.items}
+        for row in (r for r in timed_out if r["suite"] == suite_name):
+            outcome = run_sandboxed(suite.program(row["text"], items[row["prompt_id"]]), timeout=seconds)
+            verdict = "passes" if outcome.passed else ("times out again" if outcome.limit == "timeout"
+                                                       else f"fails ({outcome.limit or 'a wrong answer'})")
+            copied = f" (copied from {row['reused_from']})" if "reused_from" in row else ""
+            lines.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}){copied}: {verdict}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str]) -> None:
     """Each declared comparison on the stored and on the re-scored rows, by the held-out code
     (`heldout.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
@@ -217,6 +242,8 @@ def main() -> None:
     parser.add_argument("--pairs", action="store_true", help="compare every pair of configurations")
     parser.add_argument("--also", nargs="+", default=[], metavar="DIR",
                         help="with --pairs: other sweeps (same settings) whose configurations join the pairs")
+    parser.add_argument("--timed-out", type=float, metavar="SECONDS",
+                        help="run the rows that timed out again with a limit of SECONDS")
     parser.add_argument("--score-as", metavar="SUITE",
                         help="score every row's text with SUITE's scorer (printed, and used by --pairs)")
     args = parser.parse_args()
@@ -225,6 +252,10 @@ def main() -> None:
     identical(rows)
     if args.fence_stop:
         fence_stop(rows, rows[0]["target"])
+    if args.timed_out is not None:
+        if args.timed_out <= 0:
+            parser.error(f"--timed-out must be a positive number of seconds, got {args.timed_out:g}")
+        timed_out_again(rows, args.timed_out)
     if args.rescore or args.planned:
         rescored = rescore(rows) if args.rescore else None
         settings = Path(args.sweep) / "sweep.json"

