@@ -815,7 +815,8 @@ def timeout_notes(rows: list[dict]) -> list[str]:
         return []
     named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out])
     return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}; a correct "
-            "program can time out on a loaded machine, so check them before reading their scores"]
+            "program can time out on a loaded machine, so check them before reading their scores "
+            "(`python benchmarks/sweep_stats.py DIR --timed-out 60` runs them again with a longer limit)"]
 
 
 def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
