@@ -10,7 +10,9 @@ when the reply has one: the suite's rule) and with a strict one (the number of t
 whose recomputed answer or re-score differs from the stored score, how many replies lack a marker,
 and each planned comparison (A - B on (problem, seed) pairs) under both
 scorings with a paired t-test on per-problem mean differences (scipy) and an exact McNemar test on the
-discordant pairs (scipy's binomial test): the report's p-values computed by other code.
+discordant pairs (scipy's binomial test): the report's p-values computed by other code. With
+--problems N, only the suite's first N problems (the rows are chosen by the report's own prefix rule,
+`report.first_problems`, so a sequential look is re-scored on the rows the report read there).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from scipy import stats
 from heldout import paired_text, problem_differences, unit_differences
 
 from verispec.evaluation import comparisons, graded
+from verispec.evaluation.report import first_problems
 
 _STEP = re.compile(r"^\d+\. (Add|Subtract|Multiply by|Divide by) (\d+)\.$")
 _START = re.compile(r"Start with (\d+) and apply these steps in order:")
@@ -188,9 +191,19 @@ def main() -> None:
                         help="with --levels: also the sign-flip permutation p of the contrast and the slope "
                              "(N random flips) and the contrast without the short pairs (not the plan's "
                              "readings: checks of them)")
+    parser.add_argument("--problems", type=int, metavar="N",
+                        help="only the suite's first N problems, as `verispec report --problems N` reads a "
+                             "sequential look (under a declared design, only a planned look's count)")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
     settings = json.loads((args.sweep / "sweep.json").read_text())
+    if args.problems is not None:
+        notes: list[str] = []
+        try:
+            rows = first_problems(rows, args.problems, settings, notes)
+        except ValueError as error:
+            parser.error(str(error))
+        print(notes[0])
     declared = args.compare if args.compare is not None else settings.get("compare") or []
     problems = {"graded-steps": graded.generate_steps,
                 "graded-steps-heldout": graded.generate_steps_heldout}[settings["suite"]]()

@@ -8,6 +8,7 @@ import ast
 import hashlib
 import json
 import operator
+import sys
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -258,6 +259,22 @@ def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suit
     for row in rows:
         got = rescore.reply_number(row["text"], strict=False)
         assert float(got == answers[row["prompt_id"]]) == row["score"], row["prompt_id"]
+
+
+def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
+    """rescore_graded.py --problems N keeps the suite's first N problems by the report's prefix rule (the
+    committed seed-0 study, obf:2: looks at 100 and 200), and refuses a count that is not a look."""
+    rescore = load_benchmark("rescore_graded")
+    sweep = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps"
+    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--problems", "100"])
+    rescore.main()
+    out = capsys.readouterr().out
+    assert "read on the suite's first 100 problems only (--problems 100): 400 of 800 rows" in out
+    assert "\n400 rows; re-scored" in out and "differ from the stored score in 0" in out
+    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--problems", "60"])
+    with pytest.raises(SystemExit):
+        rescore.main()
+    assert "not at another prefix" in capsys.readouterr().err
 
 
 def test_rescore_graded_level_readings_on_constructed_scores():
