@@ -153,6 +153,20 @@ def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int)
     return float(np.log((right + 0.5) / (len(values) - right + 0.5)))
 
 
+def short_replies(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
+                  short: int = SHORT_TOKENS) -> dict[str, tuple[int, int, int]]:
+    """Per configuration: (replies with fewer than `short` tokens, all its replies, how many of the short
+    ones are right), the graded-steps plans' share of short, unworked replies."""
+    counts: dict[str, list[int]] = {}
+    for key, score in scores.items():  # key: (config, prompt id, seed)
+        c = counts.setdefault(key[0], [0, 0, 0])
+        c[1] += 1
+        if tokens[key] < short:
+            c[0] += 1
+            c[2] += int(score)
+    return {config: (c[0], c[1], c[2]) for config, c in sorted(counts.items())}
+
+
 def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: int = 0) -> None:
     """The held-out plan's level readings for one comparison: the contrast under every scoring, then,
     under the suite's rule, each level's gap, its short-reply share and both sides' log-odds. `flips`
@@ -228,6 +242,10 @@ def main() -> None:
           f"the stored score in {score_mismatch}; replies with no answer marker ('####' or \\boxed): "
           f"{unmarked}")
     configs = sorted({r["config"] for r in rows})
+    if args.levels:
+        for config, (n_short, n, right) in short_replies(stored, tokens).items():
+            print(f"replies under {SHORT_TOKENS} tokens: {config} {n_short} of {n} ({n_short / n:.3f}), "
+                  f"{right} of them right")
     tables = {"stored": stored, "re-scored": suite_rule, "strict (marker)": strict, "last number": last}
     for name, table in tables.items():
         means = {c: np.mean([v for (cc, _, _), v in table.items() if cc == c]) for c in configs}

@@ -277,6 +277,13 @@ def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
     assert "not at another prefix" in capsys.readouterr().err
 
 
+def test_rescore_graded_short_replies_counts_each_configurations_short_replies():
+    rescore = load_benchmark("rescore_graded")
+    scores = {("a", "p1", 0): 1.0, ("a", "p2", 0): 0.0, ("a", "p3", 0): 1.0, ("b", "p1", 0): 0.0}
+    tokens = {("a", "p1", 0): 39, ("a", "p2", 0): 12, ("a", "p3", 0): 40, ("b", "p1", 0): 200}
+    assert rescore.short_replies(scores, tokens) == {"a": (2, 3, 1), "b": (0, 1, 0)}
+
+
 def test_rescore_graded_level_readings_on_constructed_scores():
     """The held-out plan's readings (benchmarks/rescore_graded.py): the levels-1-2 contrast equals the
     difference of the two groups' per-problem mean gaps, with Welch's p from scipy; the short-reply share
