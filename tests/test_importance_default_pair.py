@@ -7,7 +7,12 @@ rule (a one-token decode tests nothing: no draft is made for the last token). Th
 prefix indicators f(x) = 1[x starts with (a,)] and 1[x starts with (a, b)], (a, b) the target's greedy
 pair, whose target values p(a) and p(a) p(b | a) are exact (two forward passes of the target). The
 weighted mean must be within Z_MAX standard errors of them; the unweighted mean (the rule's law) and a
-sign-flipped weight must not (power). Fixed seeds; rollouts batched through `decode_prompts`."""
+sign-flipped weight must not (power). Fixed seeds; rollouts batched through `decode_prompts`.
+
+One lossy rule here, the budget rule (the most involved law): what this file adds to the toy-pair check
+is the real pair's path (its vocabulary, batching, the decode loop's log_ratio), which every rule shares;
+each rule's own weights, lenience's included, are checked there. Lenience ran here too until the full
+suite passed its 10-minute budget (2000 rollouts are about 40 s a rule on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ def z_score(values: np.ndarray, truth: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["lenience:l=0.5", "budget:tv=0.05"])
+@pytest.mark.parametrize("spec", ["budget:tv=0.05"])
 def test_importance_weights_on_the_default_pair(pair, spec):
     target, drafter = pair
     ids = target.encode(PROMPT)
