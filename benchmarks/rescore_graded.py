@@ -11,8 +11,8 @@ whose recomputed answer or re-score differs from the stored score, how many repl
 and each planned comparison (A - B on (problem, seed) pairs) under both
 scorings with a paired t-test on per-problem mean differences (scipy) and an exact McNemar test on the
 discordant pairs (scipy's binomial test): the report's p-values computed by other code. With
---problems N, only the suite's first N problems (the rows are chosen by the report's own prefix rule,
-`report.first_problems`, so a sequential look is re-scored on the rows the report read there).
+--problems N, only the suite's first N problems (chosen by the report's own prefix rule,
+`report.first_problems`, so a sequential look is re-scored on the problems the report read there).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from heldout import paired_text, problem_differences, unit_differences
 
 from verispec.evaluation import comparisons, graded
 from verispec.evaluation.report import first_problems
+from verispec.evaluation.store import read_rows
 
 _STEP = re.compile(r"^\d+\. (Add|Subtract|Multiply by|Divide by) (\d+)\.$")
 _START = re.compile(r"Start with (\d+) and apply these steps in order:")
@@ -159,12 +160,12 @@ def short_replies(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[
     ones are right), the graded-steps plans' share of short, unworked replies."""
     counts: dict[str, list[int]] = {}
     for key, score in scores.items():  # key: (config, prompt id, seed)
-        c = counts.setdefault(key[0], [0, 0, 0])
-        c[1] += 1
+        count = counts.setdefault(key[0], [0, 0, 0])
+        count[1] += 1
         if tokens[key] < short:
-            c[0] += 1
-            c[2] += int(score)
-    return {config: (c[0], c[1], c[2]) for config, c in sorted(counts.items())}
+            count[0] += 1
+            count[2] += int(score)
+    return {config: (count[0], count[1], count[2]) for config, count in sorted(counts.items())}
 
 
 def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: int = 0) -> None:
@@ -209,7 +210,7 @@ def main() -> None:
                         help="only the suite's first N problems, as `verispec report --problems N` reads a "
                              "sequential look (under a declared design, only a planned look's count)")
     args = parser.parse_args()
-    rows = [json.loads(line) for line in (args.sweep / "results.jsonl").open()]
+    rows = read_rows(args.sweep / "results.jsonl")  # complete rows (a sweep still writing may cut its last)
     settings = json.loads((args.sweep / "sweep.json").read_text())
     if args.problems is not None:
         notes: list[str] = []

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -43,7 +44,7 @@ from pathlib import Path
 from heldout import holm_adjusted, paired_by_problem, paired_text
 
 from verispec.evaluation import comparisons
-from verispec.evaluation.report import is_score, row_seconds, summarize
+from verispec.evaluation.report import is_score, row_seconds, summarize, timed_out_rows
 from verispec.evaluation.store import read_rows
 
 
@@ -135,22 +136,36 @@ def rescore(rows: list[dict]) -> list[dict]:
     return [dict(r, score=again_by_row[id(r)]) if id(r) in again_by_row else r for r in rows]
 
 
-def timed_out_again(rows: list[dict], seconds: float) -> list[str]:
+def timed_out_again(rows: list[dict], seconds: float, suite_spec: str | None = None) -> list[str]:
     """Run each row that timed out in the sweep again in the sandbox with a limit of `seconds` (its
-    suite's program on its text); a line a row, printed and returned."""
+    suite's program on its text); a line a row, printed and returned. `suite_spec`: the sweep's suite as
+    sweep.json names it (a file suite's path, e.g. `mbpp:PATH`), used for rows of that suite."""
     from verispec.evaluation.sandbox import run_sandboxed
     from verispec.evaluation.suites import load_suite
+    from verispec.spec import split
 
-    timed_out = [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
+    timed_out = timed_out_rows(rows)
     lines = [f"\nrows that timed out in the sweep, run again with a {seconds:g} s limit: {len(timed_out)}"]
     print(lines[0])
     for suite_name in dict.fromkeys(r["suite"] for r in timed_out):
-        suite = load_suite(suite_name)
+        named = suite_spec is not None and split(suite_spec, "suite", suite_name)[0] == suite_name
+        spec = suite_spec if named else suite_name
+        try:
+            suite = load_suite(spec)
+        except (ValueError, FileNotFoundError) as error:
+            raise SystemExit(f"{suite_name}: cannot load the suite to run its rows again: {error}") from None
+        if suite.program is None:
+            raise SystemExit(f"{suite_name}: the suite scores text, not a program; nothing to run again")
         items = {item.id: item for item in suite.items}
-        for row in (r for r in timed_out if r["suite"] == suite_name):
+        mine = [r for r in timed_out if r["suite"] == suite_name]
+        missing = sorted({r["prompt_id"] for r in mine} - items.keys())
+        if missing:
+            raise SystemExit(f"{suite_name}: the suite has no item {missing[0]!r} ({len(missing)} prompt ids "
+                             "missing)")
+        for row in mine:
             outcome = run_sandboxed(suite.program(row["text"], items[row["prompt_id"]]), timeout=seconds)
             verdict = "passes" if outcome.passed else ("times out again" if outcome.limit == "timeout"
-                                                       else f"fails ({outcome.limit or 'a wrong answer'})")
+                                                       else f"fails ({outcome.reason})")
             copied = f" (copied from {row['reused_from']})" if "reused_from" in row else ""
             lines.append(f"  {row['config']} / {row['prompt_id']} (seed {row['seed']}){copied}: {verdict}")
             print(lines[-1], flush=True)
@@ -253,9 +268,11 @@ def main() -> None:
     if args.fence_stop:
         fence_stop(rows, rows[0]["target"])
     if args.timed_out is not None:
-        if args.timed_out <= 0:
+        if not math.isfinite(args.timed_out) or args.timed_out <= 0:
             parser.error(f"--timed-out must be a positive number of seconds, got {args.timed_out:g}")
-        timed_out_again(rows, args.timed_out)
+        settings = Path(args.sweep) / "sweep.json"
+        spec = json.loads(settings.read_text()).get("suite") if settings.exists() else None
+        timed_out_again(rows, args.timed_out, spec)
     if args.rescore or args.planned:
         rescored = rescore(rows) if args.rescore else None
         settings = Path(args.sweep) / "sweep.json"

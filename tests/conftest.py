@@ -42,19 +42,22 @@ def _fuzz_count() -> Counter:
     return Counter()
 
 
-_RAY_WAIT = {"seconds": 0.0}  # time Ray modules spent waiting for another worker's Ray module
+# time Ray modules spent waiting for another worker's Ray module (`one_ray_module_at_a_time`), and how
+# many took the lock: under xdist the workers report theirs (`workeroutput`), the controller adds them up
+_RAY_WAIT = {"seconds": 0.0, "modules": 0}
 
 
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # an xdist worker: hand its counts to the controller
         session.config.workeroutput["verispec_fuzz"] = dict(_fuzz_count())
-        session.config.workeroutput["verispec_ray_wait"] = _RAY_WAIT["seconds"]
+        session.config.workeroutput["verispec_ray_wait"] = dict(_RAY_WAIT)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     _FUZZ.update(getattr(node, "workeroutput", {}).get("verispec_fuzz", {}))
-    _RAY_WAIT["seconds"] += getattr(node, "workeroutput", {}).get("verispec_ray_wait", 0.0)
+    for key, value in getattr(node, "workeroutput", {}).get("verispec_ray_wait", {}).items():
+        _RAY_WAIT[key] += value
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -62,8 +65,10 @@ def pytest_terminal_summary(terminalreporter):
     input count (tests/test_fuzz.py), in the terminal summary: CI's log shows both budgets (README,
     'For contributors'). Under xdist the times are summed over the workers."""
     terminalreporter.write_line(f"verispec test times: not slow {_SECONDS['quick']:.0f} s, "
-                                f"slow {_SECONDS['slow']:.0f} s (setup + call + teardown, summed); "
-                                f"Ray modules waited {_RAY_WAIT['seconds']:.0f} s for one another")
+                                f"slow {_SECONDS['slow']:.0f} s (setup + call + teardown, summed)"
+                                + (f"; {_RAY_WAIT['modules']} Ray module(s) waited "
+                                   f"{_RAY_WAIT['seconds']:.0f} s for one another's lock"
+                                   if _RAY_WAIT["modules"] else ""))
     count = _FUZZ + _fuzz_count()
     if count:
         terminalreporter.write_line(f"verispec fuzz: {sum(count.values())} generated inputs ({dict(count)})")
@@ -78,22 +83,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-    items[:] = spread_ray_modules(items)
-
-
-def spread_ray_modules(items: list) -> list:
-    """The items with the Ray modules' blocks moved apart: the i-th of n at i/n of the other modules'
-    order (alphabetical, they were adjacent). Under `--dist loadfile` the two workers then rarely both
-    hold a Ray module, one waiting on the other's lock (`one_ray_module_at_a_time`) while no other file
-    runs; the summary prints the time so waited."""
-    blocks: dict[Path, list] = {}
-    for item in items:
-        blocks.setdefault(item.path, []).append(item)
-    ray = [path for path in blocks if path.name in SLOW_MODULES]
-    order = [path for path in blocks if path.name not in SLOW_MODULES]
-    for i, path in reversed(list(enumerate(ray))):
-        order.insert(i * len(order) // len(ray), path)
-    return [item for path in order for item in blocks[path]]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -112,6 +101,7 @@ def one_ray_module_at_a_time(request, tmp_path_factory):
         start = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)
         _RAY_WAIT["seconds"] += time.monotonic() - start
+        _RAY_WAIT["modules"] += 1
         try:
             yield
         finally:

@@ -48,7 +48,7 @@ def z_score(values: np.ndarray, truth: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["budget:tv=0.05"])
+@pytest.mark.parametrize("spec", ["budget:tv=0.05"])  # one rule, deliberately (module docstring)
 def test_importance_weights_on_the_default_pair(pair, spec):
     target, drafter = pair
     ids = target.encode(PROMPT)

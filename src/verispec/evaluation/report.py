@@ -807,16 +807,22 @@ def score_notes(rows: list[dict]) -> list[str]:
             f"and Δscore: {named}"]
 
 
+def timed_out_rows(rows: list[dict]) -> list[dict]:
+    """The rows an execution-scored suite failed by timeout (their metrics' `timed_out` is 1)."""
+    return [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
+
+
 def timeout_notes(rows: list[dict]) -> list[str]:
     """A note naming the rows an execution-scored suite failed by timeout: on a loaded machine a correct
     program can time out, so such a failure may be the machine's, not the rule's."""
-    timed_out = [r for r in rows if (r.get("metrics") or {}).get("timed_out") == 1]
+    timed_out = timed_out_rows(rows)
     if not timed_out:
         return []
     named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out])
     return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}; a correct "
             "program can time out on a loaded machine, so check them before reading their scores "
-            "(`python benchmarks/sweep_stats.py DIR --timed-out 60` runs them again with a longer limit)"]
+            "(in a checkout, `python benchmarks/sweep_stats.py DIR --timed-out 60` runs them again with a "
+            "longer limit)"]
 
 
 def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
