@@ -105,12 +105,18 @@ def metrics_under(rows: list[dict], suite_name: str) -> tuple[list[dict], str]:
     from verispec.evaluation.suites import load_suite
 
     suite = load_suite(suite_name)
+    items = items_for(suite, rows, suite_name)
+    return [suite.score(r["text"], items[r["prompt_id"]]) for r in rows], suite.primary
+
+
+def items_for(suite, rows: list[dict], suite_name: str) -> dict:
+    """The suite's items by id; a prompt id of `rows` the suite lacks stops the script."""
     items = {item.id: item for item in suite.items}
     missing = sorted({r["prompt_id"] for r in rows} - items.keys())
     if missing:
         raise SystemExit(f"{suite_name}: the suite has no item {missing[0]!r} ({len(missing)} prompt ids "
                          "missing): score rows of the same task")
-    return [suite.score(r["text"], items[r["prompt_id"]]) for r in rows], suite.primary
+    return items
 
 
 def rescore(rows: list[dict]) -> list[dict]:
@@ -156,12 +162,8 @@ def timed_out_again(rows: list[dict], seconds: float, suite_spec: str | None = N
             raise SystemExit(f"{suite_name}: cannot load the suite to run its rows again: {error}") from None
         if suite.program is None:
             raise SystemExit(f"{suite_name}: the suite scores text, not a program; nothing to run again")
-        items = {item.id: item for item in suite.items}
         mine = [r for r in timed_out if r["suite"] == suite_name]
-        missing = sorted({r["prompt_id"] for r in mine} - items.keys())
-        if missing:
-            raise SystemExit(f"{suite_name}: the suite has no item {missing[0]!r} ({len(missing)} prompt ids "
-                             "missing)")
+        items = items_for(suite, mine, suite_name)
         for row in mine:
             outcome = run_sandboxed(suite.program(row["text"], items[row["prompt_id"]]), timeout=seconds)
             verdict = "passes" if outcome.passed else ("times out again" if outcome.limit == "timeout"
