@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -22,6 +23,13 @@ settings.load_profile(os.environ.get("VERISPEC_HYPOTHESIS", "ci"))
 # nothing from more, a shared 2-core machine loses a lot, and the thread check stays quiet. Tests of the
 # default thread count remove it themselves.
 os.environ.setdefault("VERISPEC_THREADS", "1")
+# ... and in the xdist workers themselves, the cores shared out among them: torch's default (every core)
+# in each of two workers put four threads on two cores, and two model-loading modules side by side then
+# took twice as long as one after the other (tests/test_int4.py with tests/test_models_batched.py: 38 s
+# together, 18 s in turn, on the 2-core Intel Xeon).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
 _SECONDS = {"quick": 0.0, "slow": 0.0}
@@ -79,10 +87,28 @@ def pytest_terminal_summary(terminalreporter):
 SLOW_MODULES = {"test_ray_sweep.py", "test_ray_serve.py", "test_ray_cluster.py"}
 
 
+# The modules that take longest, heaviest first, in seconds of setup + call + teardown summed over their
+# tests (a full run on the 2-core Intel Xeon, 2026-12-06: `pytest --durations=0`, summed by file). Under
+# `--dist loadfile` with `--no-loadscope-reorder` (pyproject.toml) xdist hands out modules in collection
+# order, so these go first and the many short modules fill in at the end: longest-first keeps one worker
+# from starting a 30 s module as the other runs out of work (xdist's default order, by test count, sent
+# the one-test 28 s module last and left the other worker idle for it). A module missing here only runs
+# later; the figures order, they do not gate anything.
+HEAVY_FIRST = {
+    "test_ray_sweep.py": 110, "test_tree_rules.py": 78, "test_bench.py": 64, "test_ray_serve.py": 58,
+    "test_decode_trees.py": 43, "test_sandbox.py": 31, "test_decode_hf.py": 30,
+    "test_importance_default_pair.py": 28, "test_rules_batched.py": 27, "test_smollm2.py": 27,
+    "test_fuzz.py": 26, "test_suites.py": 24, "test_rules_sampling.py": 23, "test_decode_toy.py": 23,
+    "test_decode_batched.py": 20, "test_int4.py": 18, "test_hsd.py": 16,
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    # heaviest modules first, each module's tests kept together and in their order (a stable sort)
+    items.sort(key=lambda item: -HEAVY_FIRST.get(item.path.name, 0))
 
 
 @pytest.fixture(scope="module", autouse=True)
