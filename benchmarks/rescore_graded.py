@@ -12,7 +12,8 @@ and each planned comparison (A - B on (problem, seed) pairs) under both
 scorings with a paired t-test on per-problem mean differences (scipy) and an exact McNemar test on the
 discordant pairs (scipy's binomial test): the report's p-values computed by other code. With
 --problems N, only the suite's first N problems (chosen by the report's own prefix rule,
-`report.first_problems`, so a sequential look is re-scored on the problems the report read there).
+`report.first_problems`, so a sequential look is re-scored on the problems the report read there);
+with --after N, only the problems after the first N (descriptive: the second part of a sweep apart).
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def level_contrast(scores: dict[tuple[str, str, int], float], a: str, b: str,
 
 
 def short_share(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
-                a: str, b: str, level: int, short: int = SHORT_TOKENS) -> tuple[float, float, int]:
-    """On one level: (the gap A - B over all pairs, the part of it from pairs where A's or B's reply has
-    fewer than `short` tokens (their summed difference over all pairs), how many such pairs)."""
-    diff = {u: d for u, d in unit_differences(scores, a, b).items() if graded.level_of(u[0]) == level}
+                a: str, b: str, level: int | None, short: int = SHORT_TOKENS) -> tuple[float, float, int]:
+    """On one level (None: all): (the gap A - B over all pairs, the part of it from pairs where A's or B's
+    reply has fewer than `short` tokens (their summed difference over all pairs), how many such pairs)."""
+    diff = {u: d for u, d in unit_differences(scores, a, b).items()
+            if level is None or graded.level_of(u[0]) == level}
     if not diff:
         return float("nan"), float("nan"), 0
     shorts = [u for u in diff if min(tokens[(a, *u)], tokens[(b, *u)]) < short]
@@ -180,6 +182,10 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
               f"(se {c['se']:.3f}) Welch p {c['p']:.3g}; levels {'+'.join(map(str, LOW_LEVELS))}' gap "
               f"{c['low_gap']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({c['low_n']} and {c['high_n']} problems)")
     table = tables["stored"]
+    gap, from_short, n_short = short_share(table, tokens, a, b, None)
+    share = f"{from_short / gap:.0%} of the gap" if gap else "the gap is nil"
+    print(f"    all levels: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
+          f"{from_short:+.3f} ({n_short} pairs; {share})")
     for level in range(1, graded.LEVELS + 1):
         gap, from_short, n_short = short_share(table, tokens, a, b, level)
         print(f"    level {level}: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
@@ -192,6 +198,19 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
         c = level_contrast(without_short(table, tokens, a, b), a, b)
         print(f"    without pairs with a reply under {SHORT_TOKENS} tokens, stored: {c['contrast']:+.3f} "
               f"(se {c['se']:.3f}) Welch p {c['p']:.3g} ({c['low_n']} and {c['high_n']} problems)")
+
+
+def problems_after(rows: list[dict], after: int) -> list[dict]:
+    """The rows of the problems after the suite's first `after` (prompt_index `after` or more): the
+    second part of a sweep, read apart from the first (its level gaps, its short-reply share)."""
+    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+        raise ValueError(f"--after must be a number of problems, 0 or more; got {after!r}")
+    if any(type(r.get("prompt_index")) is not int for r in rows):
+        raise ValueError("--after: some rows have no integer prompt_index, so the suite's order is unknown")
+    kept = [r for r in rows if r["prompt_index"] >= after]
+    if not kept:
+        raise ValueError(f"--after {after}: no rows beyond the first {after} problems")
+    return kept
 
 
 def main() -> None:
@@ -209,6 +228,9 @@ def main() -> None:
     parser.add_argument("--problems", type=int, metavar="N",
                         help="only the suite's first N problems, as `verispec report --problems N` reads a "
                              "sequential look (under a declared design, only a planned look's count)")
+    parser.add_argument("--after", type=int, metavar="N",
+                        help="only the problems after the suite's first N (with --problems M: problems N+1 "
+                             "to M): a part of the rows, read descriptively, never a look")
     args = parser.parse_args()
     rows = read_rows(args.sweep / "results.jsonl")  # complete rows (a sweep still writing may cut its last)
     settings = json.loads((args.sweep / "sweep.json").read_text())
@@ -219,6 +241,13 @@ def main() -> None:
         except ValueError as error:
             parser.error(str(error))
         print(notes[0])
+    if args.after is not None:
+        try:
+            rows = problems_after(rows, args.after)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"descriptive, not a look: problems after the suite's first {args.after} only (--after "
+              f"{args.after}): {len(rows)} rows")
     declared = args.compare if args.compare is not None else settings.get("compare") or []
     problems = {"graded-steps": graded.generate_steps,
                 "graded-steps-heldout": graded.generate_steps_heldout}[settings["suite"]]()

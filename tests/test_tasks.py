@@ -277,6 +277,24 @@ def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
     assert "not at another prefix" in capsys.readouterr().err
 
 
+def test_rescore_graded_after_reads_the_second_part_apart(monkeypatch, capsys):
+    """rescore_graded.py --after N keeps the problems after the suite's first N (the committed seed-0
+    study: problems 101-200 are the other 400 of its 800 rows), says it is descriptive, and refuses a
+    count with nothing after it or a negative one."""
+    rescore = load_benchmark("rescore_graded")
+    sweep = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps"
+    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--after", "100"])
+    rescore.main()
+    out = capsys.readouterr().out
+    assert "descriptive, not a look: problems after the suite's first 100 only (--after 100): 400 rows" in out
+    assert "\n400 rows; re-scored" in out and "differ from the stored score in 0" in out
+    rows = [{"prompt_index": i} for i in (0, 99, 100, 150)]
+    assert rescore.problems_after(rows, 100) == rows[2:]
+    for bad, message in ((200, "no rows beyond"), (-1, "0 or more")):
+        with pytest.raises(ValueError, match=message):
+            rescore.problems_after(rows, bad)
+
+
 def test_rescore_graded_short_replies_counts_each_configurations_short_replies():
     """rescore_graded.short_replies: per configuration, replies under 40 tokens (39 is short, 40 is not),
     all replies, and how many of the short ones are right."""
@@ -311,6 +329,8 @@ def test_rescore_graded_level_readings_on_constructed_scores():
     # level 1: gap -2/4; the short pair (problem 00, 12 tokens) carries -1/4 of it
     assert rescore.short_share(scores, tokens, "gate", "honest", 1) == (-0.5, -0.25, 1)
     assert rescore.short_share(scores, tokens, "gate", "honest", 4) == (0.25, 0.0, 1)
+    # all levels: gap (-2 - 1 + 0 + 1 - 1) / 20; the five short pairs (problem 00s) carry (-1 - 1) / 20
+    assert rescore.short_share(scores, tokens, "gate", "honest", None) == (-3 / 20, -2 / 20, 5)
     assert rescore.log_odds(scores, "honest", 1) == pytest.approx(np.log(4.5 / 0.5))
     assert rescore.log_odds(scores, "gate", 1) == pytest.approx(np.log(2.5 / 2.5))
     # without the short pairs (problem 00 of every level): levels 1-2 keep [-1, 0, 0] and [0, 0, 0]
