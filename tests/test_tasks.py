@@ -261,19 +261,22 @@ def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suit
         assert float(got == answers[row["prompt_id"]]) == row["score"], row["prompt_id"]
 
 
+def rescore_graded_seed0(monkeypatch, capsys, *options: str) -> str:
+    """benchmarks/rescore_graded.py run on the committed seed-0 graded-steps study; what it printed."""
+    sweep = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps"
+    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), *options])
+    load_benchmark("rescore_graded").main()
+    return capsys.readouterr().out
+
+
 def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
     """rescore_graded.py --problems N keeps the suite's first N problems by the report's prefix rule (the
     committed seed-0 study, obf:2: looks at 100 and 200), and refuses a count that is not a look."""
-    rescore = load_benchmark("rescore_graded")
-    sweep = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps"
-    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--problems", "100"])
-    rescore.main()
-    out = capsys.readouterr().out
+    out = rescore_graded_seed0(monkeypatch, capsys, "--problems", "100")
     assert "read on the suite's first 100 problems only (--problems 100): 400 of 800 rows" in out
     assert "\n400 rows; re-scored" in out and "differ from the stored score in 0" in out
-    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--problems", "60"])
     with pytest.raises(SystemExit):
-        rescore.main()
+        rescore_graded_seed0(monkeypatch, capsys, "--problems", "60")
     assert "not at another prefix" in capsys.readouterr().err
 
 
@@ -281,13 +284,10 @@ def test_rescore_graded_after_reads_the_second_part_apart(monkeypatch, capsys):
     """rescore_graded.py --after N keeps the problems after the suite's first N (the committed seed-0
     study: problems 101-200 are the other 400 of its 800 rows), says it is descriptive, and refuses a
     count with nothing after it or a negative one."""
-    rescore = load_benchmark("rescore_graded")
-    sweep = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps"
-    monkeypatch.setattr(sys, "argv", ["rescore_graded.py", str(sweep), "--after", "100"])
-    rescore.main()
-    out = capsys.readouterr().out
+    out = rescore_graded_seed0(monkeypatch, capsys, "--after", "100")
     assert "descriptive, not a look: problems after the suite's first 100 only (--after 100): 400 rows" in out
     assert "\n400 rows; re-scored" in out and "differ from the stored score in 0" in out
+    rescore = load_benchmark("rescore_graded")
     rows = [{"prompt_index": i} for i in (0, 99, 100, 150)]
     assert rescore.problems_after(rows, 100) == rows[2:]
     for bad, message in ((200, "no rows beyond"), (-1, "0 or more")):
