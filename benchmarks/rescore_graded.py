@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 
@@ -183,7 +184,7 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
               f"{c['low_gap']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({c['low_n']} and {c['high_n']} problems)")
     table = tables["stored"]
     gap, from_short, n_short = short_share(table, tokens, a, b, None)
-    share = f"{from_short / gap:.0%} of the gap" if gap else "the gap is nil"
+    share = f"{from_short / gap:.0%} of the gap" if math.isfinite(gap) and gap != 0 else "no gap to share"
     print(f"    all levels: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
           f"{from_short:+.3f} ({n_short} pairs; {share})")
     for level in range(1, graded.LEVELS + 1):
@@ -203,8 +204,8 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
 def problems_after(rows: list[dict], after: int) -> list[dict]:
     """The rows of the problems after the suite's first `after` (prompt_index `after` or more): the
     second part of a sweep, read apart from the first (its level gaps, its short-reply share)."""
-    if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-        raise ValueError(f"--after must be a number of problems, 0 or more; got {after!r}")
+    if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+        raise ValueError(f"--after must be a positive number of problems; got {after!r}")
     if any(type(r.get("prompt_index")) is not int for r in rows):
         raise ValueError("--after: some rows have no integer prompt_index, so the suite's order is unknown")
     kept = [r for r in rows if r["prompt_index"] >= after]
@@ -242,6 +243,8 @@ def main() -> None:
             parser.error(str(error))
         print(notes[0])
     if args.after is not None:
+        if args.problems is not None and args.after >= args.problems:
+            parser.error(f"--after {args.after} with --problems {args.problems}: no problem lies between")
         try:
             rows = problems_after(rows, args.after)
         except ValueError as error:

@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,13 +22,14 @@ settings.load_profile(os.environ.get("VERISPEC_HYPOTHESIS", "ci"))
 # nothing from more, a shared 2-core machine loses a lot, and the thread check stays quiet. Tests of the
 # default thread count remove it themselves.
 os.environ.setdefault("VERISPEC_THREADS", "1")
-# ... and in the xdist workers themselves, the cores shared out among them: torch's default (every core)
-# in each of two workers put four threads on two cores, and two model-loading modules side by side then
-# took twice as long as one after the other (tests/test_int4.py with tests/test_models_batched.py: 38 s
-# together, 18 s in turn, on the 2-core Intel Xeon).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-if _WORKERS:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+# ... and in the xdist workers themselves (the same `$VERISPEC_THREADS`): torch's default (every core) in
+# each of two workers put four threads on two cores, and two model-loading modules side by side then took
+# twice as long as one after the other (tests/test_int4.py with tests/test_models_batched.py: 38 s
+# together, 18 s in turn, on the 2-core Intel Xeon). Not in the controller, which runs no test.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    from verispec.threads import configure_threads
+
+    configure_threads()
 
 
 _SECONDS = {"quick": 0.0, "slow": 0.0}
@@ -87,13 +87,16 @@ def pytest_terminal_summary(terminalreporter):
 SLOW_MODULES = {"test_ray_sweep.py", "test_ray_serve.py", "test_ray_cluster.py"}
 
 
-# The modules that take longest, heaviest first, in seconds of setup + call + teardown summed over their
-# tests (a full run on the 2-core Intel Xeon, 2026-12-06: `pytest --durations=0`, summed by file). Under
-# `--dist loadfile` with `--no-loadscope-reorder` (pyproject.toml) xdist hands out modules in collection
-# order, so these go first and the many short modules fill in at the end: longest-first keeps one worker
-# from starting a 30 s module as the other runs out of work (xdist's default order, by test count, sent
-# the one-test 28 s module last and left the other worker idle for it). A module missing here only runs
-# later; the figures order, they do not gate anything.
+# The modules that take longest in the full suite, heaviest first, in seconds of setup + call + teardown
+# summed over their tests (a full run on the 2-core Intel Xeon, 2026-12-06: `pytest --durations=0`, summed
+# by file). Under `--dist loadfile` with `--no-loadscope-reorder` (pyproject.toml) xdist hands out modules
+# in collection order, so these go first and the many short modules fill in at the end: longest-first
+# keeps one worker from starting a 30 s module as the other runs out of work (xdist's default order, by
+# test count, sent the one-test 28 s module last and left the other worker idle for it). A module missing
+# here only runs later; the figures order, they gate nothing. Sized for the full suite on two workers
+# (`-m "not slow"` keeps the order, though most of these modules' tests are then deselected): the Ray
+# modules (the first and fourth) then fall to one worker in turn; with three or more workers the second
+# Ray module can be handed out while the first holds the Ray lock, and its worker waits.
 HEAVY_FIRST = {
     "test_ray_sweep.py": 110, "test_tree_rules.py": 78, "test_bench.py": 64, "test_ray_serve.py": 58,
     "test_decode_trees.py": 43, "test_sandbox.py": 31, "test_decode_hf.py": 30,

@@ -299,14 +299,23 @@ def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
 def test_a_deep_or_unreadable_tree_left_behind_is_removed_and_never_raises(tmp_path, monkeypatch):
     """A program may leave directories nested deeper than shutil.rmtree's recursion reaches, or one it
     made unreadable; the sandbox still returns an outcome and leaves nothing behind. Its working
-    directories go under this test's own temporary directory: under xdist the other worker's sandboxed
-    programs come and go in the shared one."""
+    directories go under this test's own temporary directory (under xdist the other worker's sandboxed
+    programs come and go in the shared one), and the test sees each one made."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made: list[Path] = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs) -> str:
+        made.append(Path(real_mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     deep = run_sandboxed("import os\nfor _ in range(1500):\n    os.mkdir('a')\n    os.chdir('a')\n"
                          "import sys\nsys.exit(153)", timeout=60)
     assert deep == Outcome(False, "exit code 153"), deep
     locked = run_sandboxed("import os\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nos.chmod('d', 0)")
     assert locked.passed, locked
+    assert len(made) == 2 and all(d.parent == tmp_path and not d.exists() for d in made), made
     assert not list(tmp_path.glob("verispec-exec-*"))
 
 

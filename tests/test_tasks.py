@@ -283,16 +283,19 @@ def test_rescore_graded_problems_reads_a_planned_look_only(monkeypatch, capsys):
 def test_rescore_graded_after_reads_the_second_part_apart(monkeypatch, capsys):
     """rescore_graded.py --after N keeps the problems after the suite's first N (the committed seed-0
     study: problems 101-200 are the other 400 of its 800 rows), says it is descriptive, and refuses a
-    count with nothing after it or a negative one."""
+    count with nothing after it, one below 1, or one that leaves nothing before --problems' count."""
     out = rescore_graded_seed0(monkeypatch, capsys, "--after", "100")
     assert "descriptive, not a look: problems after the suite's first 100 only (--after 100): 400 rows" in out
     assert "\n400 rows; re-scored" in out and "differ from the stored score in 0" in out
     rescore = load_benchmark("rescore_graded")
     rows = [{"prompt_index": i} for i in (0, 99, 100, 150)]
     assert rescore.problems_after(rows, 100) == rows[2:]
-    for bad, message in ((200, "no rows beyond"), (-1, "0 or more")):
+    for bad, message in ((200, "no rows beyond"), (0, "positive")):
         with pytest.raises(ValueError, match=message):
             rescore.problems_after(rows, bad)
+    with pytest.raises(SystemExit):
+        rescore_graded_seed0(monkeypatch, capsys, "--problems", "100", "--after", "100")
+    assert "no problem lies between" in capsys.readouterr().err
 
 
 def test_rescore_graded_short_replies_counts_each_configurations_short_replies():
