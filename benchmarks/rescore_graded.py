@@ -150,6 +150,17 @@ def without_short(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[
     return {(c, p, s): v for (c, p, s), v in scores.items() if c in (a, b) and (p, s) in keep}
 
 
+def lost_pair_lengths(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
+                      a: str, b: str, bounds: tuple[int, ...] = (SHORT_TOKENS, 60)) -> list[int]:
+    """The pairs A lost (A wrong where B is right), counted by the length of A's reply: under bounds[0]
+    tokens, then each band up to the next bound, then bounds[-1] or more (len(bounds) + 1 counts)."""
+    counts = [0] * (len(bounds) + 1)
+    for unit, diff in unit_differences(scores, a, b).items():  # unit: (prompt id, seed)
+        if diff < 0:
+            counts[sum(tokens[(a, *unit)] >= bound for bound in bounds)] += 1
+    return counts
+
+
 def log_odds(scores: dict[tuple[str, str, int], float], config: str, level: int) -> float:
     """log(right / wrong) of one configuration on one level, with 0.5 added to both counts."""
     values = [v for (c, p, _), v in scores.items() if c == config and graded.level_of(p) == level]
@@ -187,6 +198,9 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
     share = f"{from_short / gap:.0%} of the gap" if math.isfinite(gap) and gap != 0 else "no gap to share"
     print(f"    all levels: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "
           f"{from_short:+.3f} ({n_short} pairs; {share})")
+    under, band, over = lost_pair_lengths(table, tokens, a, b)
+    print(f"    pairs {a} lost: {under + band + over}; its reply under {SHORT_TOKENS} tokens in {under}, "
+          f"{SHORT_TOKENS}-59 in {band}, 60 or more in {over}")
     for level in range(1, graded.LEVELS + 1):
         gap, from_short, n_short = short_share(table, tokens, a, b, level)
         print(f"    level {level}: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "

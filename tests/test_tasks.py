@@ -334,6 +334,11 @@ def test_rescore_graded_level_readings_on_constructed_scores():
     assert rescore.short_share(scores, tokens, "gate", "honest", 4) == (0.25, 0.0, 1)
     # all levels: gap (-2 - 1 + 0 + 1 - 1) / 20; the five short pairs (problem 00s) carry (-1 - 1) / 20
     assert rescore.short_share(scores, tokens, "gate", "honest", None) == (-3 / 20, -2 / 20, 5)
+    # the lost pairs (gate wrong, honest right: every -1) by the gate reply's length: problem 00 of levels
+    # 1 and 2 (12 tokens), then levels 1, 3 and 5's others (90 tokens); a reply of 40 tokens is in the band
+    assert rescore.lost_pair_lengths(scores, tokens, "gate", "honest") == [2, 0, 3]
+    assert rescore.lost_pair_lengths(scores, {**tokens, ("gate", "graded-steps-heldout-L1-00", 2): 40},
+                                     "gate", "honest") == [1, 1, 3]
     assert rescore.log_odds(scores, "honest", 1) == pytest.approx(np.log(4.5 / 0.5))
     assert rescore.log_odds(scores, "gate", 1) == pytest.approx(np.log(2.5 / 2.5))
     # without the short pairs (problem 00 of every level): levels 1-2 keep [-1, 0, 0] and [0, 0, 0]
