@@ -40,6 +40,7 @@ _MARKED = re.compile(r"####\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)|\\boxed\{\s*(-?[\d,]*
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
 LOW_LEVELS = (1, 2)  # the held-out plan's contrast: levels 1-2 against 3-5
 SHORT_TOKENS = 40  # the held-out plan's "short reply"
+LONG_TOKENS = 60  # where the lost-pair count's middle band ends (descriptive, not planned)
 
 
 def answer_from_prompt(prompt: str) -> int:
@@ -151,7 +152,7 @@ def without_short(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[
 
 
 def lost_pair_lengths(scores: dict[tuple[str, str, int], float], tokens: dict[tuple[str, str, int], int],
-                      a: str, b: str, bounds: tuple[int, ...] = (SHORT_TOKENS, 60)) -> list[int]:
+                      a: str, b: str, bounds: tuple[int, ...] = (SHORT_TOKENS, LONG_TOKENS)) -> list[int]:
     """The pairs A lost (A wrong where B is right), counted by the length of A's reply: under bounds[0]
     tokens, then each band up to the next bound, then bounds[-1] or more (len(bounds) + 1 counts)."""
     counts = [0] * (len(bounds) + 1)
@@ -200,7 +201,7 @@ def print_levels(tables: dict[str, dict], tokens: dict, a: str, b: str, flips: i
           f"{from_short:+.3f} ({n_short} pairs; {share})")
     under, band, over = lost_pair_lengths(table, tokens, a, b)
     print(f"    pairs {a} lost: {under + band + over}; its reply under {SHORT_TOKENS} tokens in {under}, "
-          f"{SHORT_TOKENS}-59 in {band}, 60 or more in {over}")
+          f"{SHORT_TOKENS}-{LONG_TOKENS - 1} in {band}, {LONG_TOKENS} or more in {over}")
     for level in range(1, graded.LEVELS + 1):
         gap, from_short, n_short = short_share(table, tokens, a, b, level)
         print(f"    level {level}: gap {gap:+.3f}, from pairs with a reply under {SHORT_TOKENS} tokens "

@@ -1,4 +1,5 @@
-"""Repository hygiene that no other test sees: no merge-conflict markers in tracked text files."""
+"""Repository hygiene that no other test sees: no merge-conflict markers in tracked text files, and the
+test-ordering tables in tests/conftest.py name modules that exist."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_no_merge_conflict_markers():
                   for m in MARKER.finditer(text)]
     assert not found, "merge-conflict markers left in: " + ", ".join(found)
     assert MARKER.search("a\n<<<<<<< HEAD\nb\n") and not MARKER.search("# ======= heading\n")
+
+
+def test_conftest_tables_name_existing_modules():
+    """A renamed module would silently fall out of HEAVY_FIRST (run late) or SLOW_MODULES (run in the fast
+    loop): each name there must be a test module in tests/."""
+    from conftest import HEAVY_FIRST, SLOW_MODULES
+
+    present = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    assert present, "no test modules found"
+    assert sorted(set(HEAVY_FIRST) - present) == []
+    assert sorted(SLOW_MODULES - present) == []
+    assert list(HEAVY_FIRST.values()) == sorted(HEAVY_FIRST.values(), reverse=True)
