@@ -298,6 +298,14 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path, capsys):
     assert cos["speedup"] == pytest.approx(
         h_new[cos["rule"]]["tokens"] / h_new[cos["rule"]]["batch_seconds"]
         / (h_new["plain"]["tokens"] / h_new["plain"]["batch_seconds"]))
+    # runs.jsonl records a run only when it decodes: h's one run; its resume with nothing left and a
+    # sweep whose every row is copied (from c, with plain) decode nothing and record nothing
+    assert len(read_runs(tmp_path / "h" / "results.jsonl")) == 1
+    run_sweep(wide, tmp_path / "h", resume=True, progress=False, batch_size=2)
+    assert len(read_runs(tmp_path / "h" / "results.jsonl")) == 1
+    run_sweep(wide, tmp_path / "k", progress=False, batch_size=2, reuse_from=tmp_path / "c", reuse_plain=True)
+    assert len(read_rows(tmp_path / "k" / "results.jsonl")) == len(c_rows)
+    assert not (tmp_path / "k" / "runs.jsonl").exists()
     # lossless: prompts 0-1 copied beside their copied plain rows (left out: their speedup is a's),
     # prompt 2 decoded here beside its plain row
     assert h_summary["lossless"]["unpaired"] == 0 and h_summary["lossless"]["reused"] == 2

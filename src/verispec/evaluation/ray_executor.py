@@ -252,16 +252,19 @@ class RayPool:
 
     def run_units(self, spec, suite, units, results_path, progress: bool, batch_size: int,
                   on_row: Callable[[dict, tuple], None] | None = None, run: str = "",
-                  chunk: int | None = None) -> None:
+                  chunk: int | None = None, on_start: Callable[[], None] | None = None) -> None:
         """Hand the units not yet in the results file to the workers; append their rows as they land,
-        each marked with this sweep run's id (`run`, as the local executor's rows). `chunk`: as the
-        local executor's (units of `chunk` rows, `batch_size` decoding at once)."""
+        each marked with this sweep run's id (`run`, as the local executor's rows). `chunk` and
+        `on_start`: as the local executor's (units of `chunk` rows, `batch_size` decoding at once;
+        `on_start` called once before the first unit is handed out, not at all when none is left)."""
         ray = self.ray
         with ResultsFile(results_path) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
                           for config, members in work)
             bar = unit_progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
+            if queue and on_start is not None:
+                on_start()
             in_flight: dict = {}  # object ref -> (worker, unit)
             try:
                 while queue or in_flight:

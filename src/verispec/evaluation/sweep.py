@@ -175,8 +175,10 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 _check_resumable(spec_path, spec, suite_file=suite_file)
             spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
             reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
-            record_run(out_dir, run, executor, batch_size, chunk)
-            pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run, chunk=chunk)
+            # the run is recorded (runs.jsonl) just before its first unit decodes: a resume with nothing
+            # left, or a sweep whose rows were all copied (--reuse-from), decodes nothing and records nothing
+            pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run, chunk=chunk,
+                           on_start=lambda: record_run(out_dir, run, executor, batch_size, chunk))
     return results_path
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -344,7 +344,8 @@ class LocalExecutor:
         return False
 
     def run_units(self, spec: SweepSpec, suite: Suite, units, results_path, progress_bar: bool,
-                  batch_size: int, on_row=None, run: str = "", chunk: int | None = None) -> None:
+                  batch_size: int, on_row=None, run: str = "", chunk: int | None = None,
+                  on_start: Callable[[], None] | None = None) -> None:
         """Decode the units not yet in the results file: work units of `chunk` (default `batch_size`)
     (prompt, seed) rows, decoded `batch_size` at once by continuous batching (`run_sweep`).
 
@@ -352,12 +353,16 @@ class LocalExecutor:
     configuration runs on the same rows back to back, so speed is compared interleaved and at the same
     batch size. Each row draws from its own generator, seeded by (seed, prompt index), so
     its tokens do not depend on the batch it lands in (up to float rounding of different
-    matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time."""
+    matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time.
+    `on_start` is called once before the first unit decodes, and not at all when none is left (the
+    sweep records its run there: a run that decodes nothing leaves no record)."""
         with ResultsFile(results_path) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             todo = sum(len(members) for _, members in work)
             bar = progress(len(units), len(units) - todo, progress_bar)
             if work:
+                if on_start is not None:
+                    on_start()
                 warm_up(self.target, self.drafter, self.prompts[0])
             for config, members in work:
                 for row in decode_rows(spec, suite, self.target, self.drafter, self.prompts, members, config,
