@@ -301,6 +301,11 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path, capsys):
     # runs.jsonl records a run only when it decodes: h's one run; its resume with nothing left and a
     # sweep whose every row is copied (from c, with plain) decode nothing and record nothing
     assert len(read_runs(tmp_path / "h" / "results.jsonl")) == 1
+    # ... written before the run's first row: every row of a new sweep finds its run recorded
+    recorded: list[int] = []
+    run_sweep(narrow, tmp_path / "m", progress=False, batch_size=2,
+              on_row=lambda row, _: recorded.append(len(read_runs(tmp_path / "m" / "results.jsonl"))))
+    assert recorded == [1] * len(a_rows)  # the narrow sweep again: a's rows, each after the record
     run_sweep(wide, tmp_path / "h", resume=True, progress=False, batch_size=2)
     assert len(read_runs(tmp_path / "h" / "results.jsonl")) == 1
     run_sweep(wide, tmp_path / "k", progress=False, batch_size=2, reuse_from=tmp_path / "c", reuse_plain=True)

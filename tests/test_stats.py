@@ -49,6 +49,16 @@ def test_group_sequential_constants_match_the_tables():
             stats.parse_sequential(bad)
 
 
+def test_thresholds_and_p_print_two_significant_figures_below_001():
+    """obf:2's look-1 thresholds at Holm's four levels, as the report prints them: 0.00146 (level 0.025)
+    once printed as 0.001, a third below itself; two significant figures under 0.01, three decimals above."""
+    printed = [comparisons._p(stats.sequential_threshold("obf", 2, 1, level))
+               for level in (0.05 / 4, 0.05 / 3, 0.05 / 2, 0.05)]
+    assert printed == ["0.0004", "0.00069", "0.0015", "0.0052"]
+    assert [comparisons._p(x) for x in (5.2e-8, 0.00517, 0.025, 0.475, float("nan"))] == [
+        "5.2e-08", "0.0052", "0.025", "0.475", "-"]
+
+
 def test_group_sequential_error_rate_by_simulation():
     """200k null paths of 4 equally spaced looks: the share crossing the OBF bounds is 0.05 (binomial
     SE 0.0005; bound 0.003 = 6 SE); the fixed-design bound 1.96 at every look crosses far more often."""

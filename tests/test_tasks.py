@@ -339,6 +339,12 @@ def test_rescore_graded_level_readings_on_constructed_scores():
     assert rescore.lost_pair_lengths(scores, tokens, "gate", "honest") == [2, 0, 3]
     assert rescore.lost_pair_lengths(scores, {**tokens, ("gate", "graded-steps-heldout-L1-00", 2): 40},
                                      "gate", "honest") == [1, 1, 3]
+    # the band's edges: 59 tokens is in it, LONG_TOKENS (60) is past it
+    assert rescore.LONG_TOKENS == 60
+    assert rescore.lost_pair_lengths(scores, {**tokens, ("gate", "graded-steps-heldout-L1-00", 2): 59},
+                                     "gate", "honest") == [1, 1, 3]
+    assert rescore.lost_pair_lengths(scores, {**tokens, ("gate", "graded-steps-heldout-L1-00", 2): 60},
+                                     "gate", "honest") == [1, 0, 4]
     assert rescore.log_odds(scores, "honest", 1) == pytest.approx(np.log(4.5 / 0.5))
     assert rescore.log_odds(scores, "gate", 1) == pytest.approx(np.log(2.5 / 2.5))
     # without the short pairs (problem 00 of every level): levels 1-2 keep [-1, 0, 0] and [0, 0, 0]

@@ -262,9 +262,9 @@ class RayPool:
             work = work_units(units, store.done, spec, chunk or batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
                           for config, members in work)
-            bar = unit_progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
             if queue and on_start is not None:
-                on_start()
+                on_start()  # before the bar exists, so an error here leaves nothing open
+            bar = unit_progress(len(units), len(units) - sum(len(u.members) for u in queue), progress)
             in_flight: dict = {}  # object ref -> (worker, unit)
             try:
                 while queue or in_flight:
