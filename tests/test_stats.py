@@ -328,6 +328,56 @@ def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys)
     assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()
 
 
+def _diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
+    """Rows of one seed on len(diffs[...]) problems in suite order: lossless and plain score 0, each other
+    rule `diffs[rule][i]` on problem i (so rule - lossless is exactly that)."""
+    rows = []
+    n = len(next(iter(diffs.values())))
+    for i in range(n):
+        for rule, score in [("plain", 0.0), ("lossless", 0.0), *((r, d[i]) for r, d in diffs.items())]:
+            rows.append({"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "seed": 0,
+                         "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos"})
+    return rows
+
+
+def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
+    """obf:2 over 40 problems (looks at 20 and 40). cos loses clearly on problems 0-19 and gains as much on
+    20-39: rejected at look 1 (Holm's first level, 0.025, at look 1), though over all 40 its p is large.
+    At look 2 it stays rejected, shows look 1's threshold, and leaves the family: budget, the only open
+    comparison, is tested at the whole alpha's look-2 threshold (0.048), not at Holm's second level over
+    both (0.024) as a reading that forgot look 1 would. A look-1 reading carries nothing."""
+    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(40)]
+    cos = [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)]
+    budget = [-0.12 + 0.5 * ((3 * i) % 7 - 3) / 3 for i in range(40)]  # p 0.12 at look 1, 0.038 at 2
+    rows = _diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
+    declared = ["cos:w=0.9 vs lossless", "budget:tv=0.1,ratio=2.0 vs lossless"]
+    prefix = [r for r in rows if r["prompt_index"] < 20]
+    look1 = [comparisons.compare(prefix, *comparisons.parse_comparison(d))[0] for d in declared]
+    first = stats.sequential_threshold("obf", 2, 1, 0.025)
+    assert look1[0].pooled.p_value < first < look1[1].pooled.p_value  # cos rejected at look 1, budget kept
+    carried = comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=2)
+    assert carried == {("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"): (1, first)}
+    assert comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=1) == {}
+    full = [comparisons.compare(rows, *comparisons.parse_comparison(d))[0] for d in declared]
+    last = stats.sequential_threshold("obf", 2, 2, 0.05)
+    assert full[0].pooled.p_value > 0.5
+    # budget between Holm's second level's threshold and the whole alpha's: the carried rejection decides
+    assert stats.sequential_threshold("obf", 2, 2, 0.025) < full[1].pooled.p_value < last
+    table = comparisons.comparisons_table(rows, declared, "obf:2", 40)
+    lines = {line.split(" - ")[0]: line for line in table.splitlines() if " - lossless" in line}
+    cos_line, budget_line = lines["cos:w=0.9 k=4 T=1"], lines["budget:tv=0.1,ratio=2.0 k=4 T=1"]
+    assert "rejected at look 1" in cos_line and comparisons._p(first) in cos_line.split()
+    assert cos_line.split()[-5] == "-"  # no MDE for a comparison already decided
+    assert "reject" in budget_line.split() and comparisons._p(last) in budget_line.split()
+    assert "stays rejected" in table and "Maurer and Bretz 2013" in table
+    # a look-1 reading (the first 20 problems) carries nothing and reads as before
+    early = comparisons.comparisons_table(prefix, declared, "obf:2", 40)
+    assert "rejected at look" not in early and "stays rejected" not in early
+    # rows without prompt_index: no prefix to retake, so nothing is carried
+    bare = [{k: v for k, v in r.items() if k != "prompt_index"} for r in rows]
+    assert comparisons.earlier_rejections(bare, declared, "obf", 2, 40, now=2) == {}
+
+
 def test_looks_taken_divides_thresholds_and_multiplies_holm_p(core_rows):
     """A fixed design read N times (--looks-taken N): each comparison's Holm p is N times the one-look
     Holm p (capped at 1) and its threshold the one-look threshold over N, recomputed from the rows; a

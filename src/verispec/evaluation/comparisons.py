@@ -278,6 +278,32 @@ def _interval(e: stats.PairedEstimate) -> str:
     return f"{_fmt(e.estimate)} [{_fmt(e.low)}, {_fmt(e.high)}]"
 
 
+def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: int, planned_clusters: int,
+                       now: int) -> dict[tuple[str, str], tuple[int, float]]:
+    """The declared comparisons rejected at a look before look `now` of a group-sequential design,
+    {(config A, config B): (look, threshold)}: each earlier look is taken again on the suite's first
+    `look_counts` problems (prompt_index below the count) by Holm's step-down over the comparisons still
+    open, at that look's threshold for each Holm level. A comparison rejected at a look stays rejected
+    and leaves the family, its alpha passing to the others (Holm as a graphical procedure under a
+    group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical Research 5(4)). {}
+    when `now` is 1 or a row has no integer prompt_index (no prefix to take)."""
+    if now <= 1 or any(type(r.get("prompt_index")) is not int for r in rows):
+        return {}
+    counts = look_counts(looks, planned_clusters)
+    rejected: dict[tuple[str, str], tuple[int, float]] = {}
+    for look in range(1, now):
+        prefix = [r for r in rows if r["prompt_index"] < counts[look - 1]]
+        family = [c for text in declared for c in compare(prefix, *parse_comparison(text))
+                  if (c.config_a, c.config_b) not in rejected and not math.isnan(c.pooled.p_value)]
+        levels = stats.holm_levels([c.pooled.p_value for c in family], ALPHA)
+        for i in sorted(range(len(family)), key=lambda i: family[i].pooled.p_value):
+            threshold = stats.sequential_threshold(kind, looks, look, levels[i])
+            if not family[i].pooled.p_value < threshold:
+                break  # Holm's step-down stops at the first comparison it keeps
+            rejected[(family[i].config_a, family[i].config_b)] = (look, threshold)
+    return rejected
+
+
 def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
                       planned_clusters: int | None = None, looks_taken: int = 1) -> str:
     """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
@@ -306,8 +332,14 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         return "".join(f"no rows for the declared comparison {m}\n" for m in missing).strip()
     planned = [c for c in family if c.planned]
     adjusted = [min(1.0, p * looks_taken) for p in stats.holm([c.pooled.p_value for c in planned])]
-    levels = stats.holm_levels([c.pooled.p_value for c in planned], ALPHA)
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
+    now = planned_look(max(c.pooled.clusters for c in planned), planned_clusters, looks) if planned else 1
+    carried = (earlier_rejections(rows, declared, kind, looks, planned_clusters, now)
+               if looks > 1 and planned_clusters else {})
+    is_open = [(c.config_a, c.config_b) not in carried for c in planned]
+    # Holm's levels over the comparisons still open (those rejected at an earlier look left the family)
+    open_levels = iter(stats.holm_levels([c.pooled.p_value for c, o in zip(planned, is_open) if o], ALPHA))
+    levels = [next(open_levels) if o else math.nan for o in is_open]
     seeds = sorted({s for c in family for s in c.per_seed})
     head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
             "Holm p", "threshold", "decision", "MDE", "from cap-hit pairs"]
@@ -318,6 +350,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     decisions: dict[int, tuple[float, str]] = {}
     for i in order:
         c = planned[i]
+        if not is_open[i]:
+            look, threshold = carried[(c.config_a, c.config_b)]
+            decisions[i] = (threshold, f"rejected at look {look}")
+            continue
         look = planned_look(c.pooled.clusters, planned_clusters, looks)
         threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) / looks_taken
                      if not math.isnan(levels[i]) else math.nan)
@@ -333,7 +369,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         else:
             threshold, holm_p = ALPHA, "-"
             decision = "differs" if c.pooled.p_value < ALPHA else "no difference"
-        usable = c.pooled.se > 0 and not math.isnan(threshold)  # se 0: no spread, no power statement
+        # se 0: no spread, no power statement; none either for a comparison decided at an earlier look
+        usable = c.pooled.se > 0 and not math.isnan(threshold) and not decision.startswith("rejected at")
         mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
         label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
@@ -350,7 +387,11 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               "pooled over (problem x seed) with 95% intervals; p: cluster-robust paired t-test on "
               "per-problem mean differences (clustered by problem, problems - 1 df); Holm p: adjusted over "
               f"the {len(planned)} declared comparison(s); threshold: Holm's step-down level at "
-              f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds; "
+              f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds"
+              + ("; a comparison rejected at an earlier look (that look taken again on its planned "
+                 "number of problems) stays rejected, shows that look's threshold, and leaves the "
+                 "family, so the others' Holm levels count only the open ones (Maurer and Bretz 2013); "
+                 "its estimate here is descriptive" if carried else "") + "; "
               f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
               "standard error; from cap-hit pairs: the part of the pooled difference (the sum of A - B "
               "over all pairs divided by their number) carried by the pairs where A or B hit the length "
