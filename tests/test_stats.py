@@ -344,8 +344,9 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     """obf:2 over 40 problems (looks at 20 and 40). cos loses clearly on problems 0-19 and gains as much on
     20-39: rejected at look 1 (Holm's first level, 0.025, at look 1), though over all 40 its p is large.
     At look 2 it stays rejected, shows look 1's threshold, and leaves the family: budget, the only open
-    comparison, is tested at the whole alpha's look-2 threshold (0.048), not at Holm's second level over
-    both (0.024) as a reading that forgot look 1 would. A look-1 reading carries nothing."""
+    comparison, is tested at the whole alpha's look-2 threshold (0.048), not at 0.024 (Holm's first step,
+    alpha/2, where budget has the smaller p) as a reading that forgot look 1 would; its Holm p is over the
+    open comparisons only. A look-1 reading carries nothing."""
     noise = [0.1 * ((7 * i) % 5 - 2) for i in range(40)]
     cos = [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)]
     budget = [-0.12 + 0.5 * ((3 * i) % 7 - 3) / 3 for i in range(40)]  # p 0.12 at look 1, 0.038 at 2
@@ -356,19 +357,24 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     first = stats.sequential_threshold("obf", 2, 1, 0.025)
     assert look1[0].pooled.p_value < first < look1[1].pooled.p_value  # cos rejected at look 1, budget kept
     carried = comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=2)
-    assert carried == {("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"): (1, first)}
+    assert carried == {("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"): (1, first, 20)}
     assert comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=1) == {}
     full = [comparisons.compare(rows, *comparisons.parse_comparison(d))[0] for d in declared]
     last = stats.sequential_threshold("obf", 2, 2, 0.05)
     assert full[0].pooled.p_value > 0.5
-    # budget between Holm's second level's threshold and the whole alpha's: the carried rejection decides
+    # budget between Holm's alpha/2 threshold and the whole alpha's: the carried rejection decides
     assert stats.sequential_threshold("obf", 2, 2, 0.025) < full[1].pooled.p_value < last
     table = comparisons.comparisons_table(rows, declared, "obf:2", 40)
     lines = {line.split(" - ")[0]: line for line in table.splitlines() if " - lossless" in line}
     cos_line, budget_line = lines["cos:w=0.9 k=4 T=1"], lines["budget:tv=0.1,ratio=2.0 k=4 T=1"]
-    assert "rejected at look 1" in cos_line and comparisons._p(first) in cos_line.split()
-    assert cos_line.split()[-5] == "-"  # no MDE for a comparison already decided
+    assert "rejected at look 1 (retaken, 20 problems)" in cos_line
+    assert comparisons._p(first) in cos_line.split()
+    assert cos_line.split()[-5] == "-"  # no MDE for a comparison already decided ...
+    assert cos_line.split()[cos_line.split().index(comparisons._p(first)) - 1] == "-"  # ... and no Holm p
+    # budget alone in the family: Holm p = its p, threshold the whole alpha's
+    assert budget_line.split().count(comparisons._p(full[1].pooled.p_value)) == 2
     assert "reject" in budget_line.split() and comparisons._p(last) in budget_line.split()
+    assert "Holm p: adjusted over the 1 open declared comparison(s)" in table
     assert "stays rejected" in table and "Maurer and Bretz 2013" in table
     # a look-1 reading (the first 20 problems) carries nothing and reads as before
     early = comparisons.comparisons_table(prefix, declared, "obf:2", 40)
@@ -376,6 +382,36 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     # rows without prompt_index: no prefix to retake, so nothing is carried
     bare = [{k: v for k, v in r.items() if k != "prompt_index"} for r in rows]
     assert comparisons.earlier_rejections(bare, declared, "obf", 2, 40, now=2) == {}
+
+
+def test_earlier_looks_count_an_absent_comparison_and_carry_across_several_looks():
+    """obf:3 over 60 problems (looks at 20, 40, 60). budget has rows only from problem 20 on, so at look
+    1 it has no pairs: it still counts in Holm's m (p = 1), and cos, whose look-1 p lies between the
+    threshold at alpha/2 and at alpha, is kept there (it would be rejected if budget dropped out of m).
+    At look 2 both are rejected (budget, the smaller p, at alpha/2, then cos at alpha); at look 3 both
+    read as carried, each naming its look and the problems its retake paired."""
+    first_half, first_all = (stats.sequential_threshold("obf", 3, 1, a) for a in (0.025, 0.05))
+    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(60)]
+
+    def look1_p(mu: float) -> float:
+        return stats.clustered_paired([(f"q{i}", mu + noise[i], 0.0) for i in range(20)]).p_value
+
+    mu = next(-m / 1000 for m in range(1, 400) if first_half < look1_p(-m / 1000) < first_all)
+    cos = [mu + noise[i] if i < 20 else -1.0 + noise[i] for i in range(60)]
+    budget = [-0.6 + 0.1 * ((3 * i) % 7 - 3) for i in range(60)]
+    rows = [r for r in _diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
+            if not (r["rule"].startswith("budget") and r["prompt_index"] < 20)]
+    declared = ["cos:w=0.9 vs lossless", "budget:tv=0.1,ratio=2.0 vs lossless"]
+    cos_key = ("cos:w=0.9 k=4 T=1", "lossless k=4 T=1")
+    budget_key = ("budget:tv=0.1,ratio=2.0 k=4 T=1", "lossless k=4 T=1")
+    assert comparisons.earlier_rejections(rows, declared, "obf", 3, 60, now=2) == {}
+    at_3 = comparisons.earlier_rejections(rows, declared, "obf", 3, 60, now=3)
+    assert at_3 == {budget_key: (2, stats.sequential_threshold("obf", 3, 2, 0.025), 20),
+                    cos_key: (2, stats.sequential_threshold("obf", 3, 2, 0.05), 40)}
+    table = comparisons.comparisons_table(rows, declared, "obf:3", 60)
+    assert "rejected at look 2 (retaken, 40 problems)" in table
+    assert "rejected at look 2 (retaken, 20 problems)" in table
+    assert "retaken on 20 paired problems, fewer than that look's planned 40" in table
 
 
 def test_looks_taken_divides_thresholds_and_multiplies_holm_p(core_rows):

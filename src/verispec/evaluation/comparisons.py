@@ -279,28 +279,38 @@ def _interval(e: stats.PairedEstimate) -> str:
 
 
 def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: int, planned_clusters: int,
-                       now: int) -> dict[tuple[str, str], tuple[int, float]]:
+                       now: int) -> dict[tuple[str, str], tuple[int, float, int]]:
     """The declared comparisons rejected at a look before look `now` of a group-sequential design,
-    {(config A, config B): (look, threshold)}: each earlier look is taken again on the suite's first
-    `look_counts` problems (prompt_index below the count) by Holm's step-down over the comparisons still
-    open, at that look's threshold for each Holm level. A comparison rejected at a look stays rejected
-    and leaves the family, its alpha passing to the others (Holm as a graphical procedure under a
-    group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical Research 5(4)). {}
-    when `now` is 1 or a row has no integer prompt_index (no prefix to take)."""
+    {(config A, config B): (look, threshold, paired problems)}: each earlier look is taken again on the
+    suite's first `look_counts` problems (prompt_index below the count) by Holm's step-down over the
+    comparisons still open, at that look's threshold for each Holm level. A comparison rejected at a
+    look stays rejected and leaves the family, its alpha passing to the others (Holm as a graphical
+    procedure under a group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical
+    Research 5(4)). The family at every look is the comparisons the rows have now, less those already
+    rejected: one with no pairs or no p in a look's prefix counts in Holm's m with p = 1 (so it is never
+    rejected there and never raises the others' levels). {} when `now` is 1 or a row has no integer
+    prompt_index (no prefix to take)."""
     if now <= 1 or any(type(r.get("prompt_index")) is not int for r in rows):
         return {}
+    keys = list(dict.fromkeys((c.config_a, c.config_b)
+                              for text in declared for c in compare(rows, *parse_comparison(text))))
     counts = look_counts(looks, planned_clusters)
-    rejected: dict[tuple[str, str], tuple[int, float]] = {}
+    rejected: dict[tuple[str, str], tuple[int, float, int]] = {}
     for look in range(1, now):
         prefix = [r for r in rows if r["prompt_index"] < counts[look - 1]]
-        family = [c for text in declared for c in compare(prefix, *parse_comparison(text))
-                  if (c.config_a, c.config_b) not in rejected and not math.isnan(c.pooled.p_value)]
-        levels = stats.holm_levels([c.pooled.p_value for c in family], ALPHA)
-        for i in sorted(range(len(family)), key=lambda i: family[i].pooled.p_value):
+        at: dict[tuple[str, str], Comparison] = {}
+        for text in declared:
+            for c in compare(prefix, *parse_comparison(text)):
+                at.setdefault((c.config_a, c.config_b), c)
+        family = [k for k in keys if k not in rejected]
+        p_values = [at[k].pooled.p_value if k in at and not math.isnan(at[k].pooled.p_value) else 1.0
+                    for k in family]
+        levels = stats.holm_levels(p_values, ALPHA)
+        for i in sorted(range(len(family)), key=lambda i: p_values[i]):
             threshold = stats.sequential_threshold(kind, looks, look, levels[i])
-            if not family[i].pooled.p_value < threshold:
+            if not p_values[i] < threshold:
                 break  # Holm's step-down stops at the first comparison it keeps
-            rejected[(family[i].config_a, family[i].config_b)] = (look, threshold)
+            rejected[family[i]] = (look, threshold, at[family[i]].pooled.clusters)
     return rejected
 
 
@@ -323,7 +333,9 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     family, missing = [], []
     for text in declared:
         found = compare(rows, *parse_comparison(text))
-        family += found
+        # a pair of configurations declared twice (or matched by two declarations) counts once in Holm's m
+        have = {(f.config_a, f.config_b) for f in family}
+        family += [c for c in found if (c.config_a, c.config_b) not in have]
         if not found:
             missing.append(comparison_text(parse_comparison(text)))
     if not any(c.name == f"lossless vs {PLAIN}" for c in family):
@@ -331,14 +343,17 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     if not family:
         return "".join(f"no rows for the declared comparison {m}\n" for m in missing).strip()
     planned = [c for c in family if c.planned]
-    adjusted = [min(1.0, p * looks_taken) for p in stats.holm([c.pooled.p_value for c in planned])]
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     now = planned_look(max(c.pooled.clusters for c in planned), planned_clusters, looks) if planned else 1
     carried = (earlier_rejections(rows, declared, kind, looks, planned_clusters, now)
                if looks > 1 and planned_clusters else {})
     is_open = [(c.config_a, c.config_b) not in carried for c in planned]
-    # Holm's levels over the comparisons still open (those rejected at an earlier look left the family)
-    open_levels = iter(stats.holm_levels([c.pooled.p_value for c, o in zip(planned, is_open) if o], ALPHA))
+    # Holm's adjusted p and levels over the comparisons still open (one rejected at an earlier look left
+    # the family: its row shows that look's threshold and no Holm p)
+    open_p = [c.pooled.p_value for c, o in zip(planned, is_open) if o]
+    open_adjusted = iter([min(1.0, p * looks_taken) for p in stats.holm(open_p)])
+    open_levels = iter(stats.holm_levels(open_p, ALPHA))
+    adjusted = [next(open_adjusted) if o else math.nan for o in is_open]
     levels = [next(open_levels) if o else math.nan for o in is_open]
     seeds = sorted({s for c in family for s in c.per_seed})
     head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
@@ -351,8 +366,8 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     for i in order:
         c = planned[i]
         if not is_open[i]:
-            look, threshold = carried[(c.config_a, c.config_b)]
-            decisions[i] = (threshold, f"rejected at look {look}")
+            look, threshold, paired = carried[(c.config_a, c.config_b)]
+            decisions[i] = (threshold, f"rejected at look {look} (retaken, {paired} problems)")
             continue
         look = planned_look(c.pooled.clusters, planned_clusters, looks)
         threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) / looks_taken
@@ -365,12 +380,13 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         if c.planned:
             j = planned.index(c)
             threshold, decision = decisions[j]
-            holm_p = _p(adjusted[j])
+            holm_p = _p(adjusted[j]) if is_open[j] else "-"
         else:
             threshold, holm_p = ALPHA, "-"
             decision = "differs" if c.pooled.p_value < ALPHA else "no difference"
         # se 0: no spread, no power statement; none either for a comparison decided at an earlier look
-        usable = c.pooled.se > 0 and not math.isnan(threshold) and not decision.startswith("rejected at")
+        decided = c.planned and not is_open[planned.index(c)]
+        usable = c.pooled.se > 0 and not math.isnan(threshold) and not decided
         mde = stats.minimum_detectable_effect(c.pooled.se, threshold, POWER) if usable else math.nan
         label = f"{c.config_a} - {c.config_b}" + ("" if c.planned else " (calibration)")
         body.append([label, str(c.pooled.clusters), *per_seed, _interval(c.pooled), _p(c.pooled.p_value),
@@ -386,12 +402,14 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     legend = ("(planned comparisons declared in sweep.json (--compare), A - B on the score; per seed and "
               "pooled over (problem x seed) with 95% intervals; p: cluster-robust paired t-test on "
               "per-problem mean differences (clustered by problem, problems - 1 df); Holm p: adjusted over "
-              f"the {len(planned)} declared comparison(s); threshold: Holm's step-down level at "
+              f"the {sum(is_open)} open declared comparison(s); threshold: Holm's step-down level at "
               f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds"
-              + ("; a comparison rejected at an earlier look (that look taken again on its planned "
-                 "number of problems) stays rejected, shows that look's threshold, and leaves the "
-                 "family, so the others' Holm levels count only the open ones (Maurer and Bretz 2013); "
-                 "its estimate here is descriptive" if carried else "") + "; "
+              + ("; a comparison rejected at an earlier look stays rejected, shows that look's threshold, "
+                 "and leaves the family, so the open ones' Holm p and levels count only them (Maurer and "
+                 "Bretz 2013); its estimate here is descriptive. Each earlier look is retaken here on the "
+                 "suite's first problems up to its planned count (the problems paired there in brackets): "
+                 "if a look was read at the time on other rows (an early reading, fewer problems), that "
+                 "reading is the record, not this retake" if carried else "") + "; "
               f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
               "standard error; from cap-hit pairs: the part of the pooled difference (the sum of A - B "
               "over all pairs divided by their number) carried by the pairs where A or B hit the length "
@@ -400,6 +418,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               "difference there is chance, not a rule effect)")
     notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
                     "or not yet decoded)" for m in missing)
+    counts = look_counts(looks, planned_clusters) if carried else []
+    notes += "".join(f"\nnote: {a} - {b}: rejected at look {look} retaken on {paired} paired problems, "
+                     f"fewer than that look's planned {counts[look - 1]}"
+                     for (a, b), (look, _, paired) in carried.items() if paired < counts[look - 1])
     notes += "".join(f"\nnote: {c.config_a} - {c.config_b}: every problem's difference is the same "
                      f"({_fmt(c.pooled.estimate)}), so the t-test has no spread to work with: its p is a "
                      "convention (1 for a zero difference, 0 otherwise) and no MDE is given"
