@@ -55,8 +55,8 @@ def test_thresholds_and_p_print_two_significant_figures_below_001():
     printed = [comparisons._p(stats.sequential_threshold("obf", 2, 1, level))
                for level in (0.05 / 4, 0.05 / 3, 0.05 / 2, 0.05)]
     assert printed == ["0.0004", "0.00069", "0.0015", "0.0052"]
-    assert [comparisons._p(x) for x in (5.2e-8, 0.00517, 0.025, 0.475, float("nan"))] == [
-        "5.2e-08", "0.0052", "0.025", "0.475", "-"]
+    assert [comparisons._p(x) for x in (5.2e-8, 0.00517, 0.00994, 0.00996, 0.025, 0.475, float("nan"))] == [
+        "5.2e-08", "0.0052", "0.0099", "0.010", "0.025", "0.475", "-"]
 
 
 def test_group_sequential_error_rate_by_simulation():

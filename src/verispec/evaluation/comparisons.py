@@ -270,8 +270,9 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 def _p(x: float) -> str:
     """A p-value or a threshold: two significant figures below 0.01 (a look-1 threshold of 0.00146 printed
-    as 0.001 read as a third lower than it is), three decimals above."""
-    return "-" if math.isnan(x) else (f"{x:.2g}" if x < 0.01 else f"{x:.3f}")
+    as 0.001 read as a third lower than it is), three decimals above (from 0.00995, which two figures
+    would round up to "0.01")."""
+    return "-" if math.isnan(x) else (f"{x:.2g}" if x < 0.00995 else f"{x:.3f}")
 
 
 def _interval(e: stats.PairedEstimate) -> str:
