@@ -44,7 +44,8 @@ from pathlib import Path
 from heldout import holm_adjusted, paired_by_problem, paired_text
 
 from verispec.evaluation import comparisons
-from verispec.evaluation.report import is_score, row_seconds, summarize, timed_out_rows
+from verispec.evaluation import stats as vstats
+from verispec.evaluation.report import is_score, planned_problems, row_seconds, summarize, timed_out_rows
 from verispec.evaluation.store import read_rows
 
 
@@ -174,25 +175,70 @@ def timed_out_again(rows: list[dict], seconds: float, suite_spec: str | None = N
     return lines
 
 
-def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str]) -> None:
+def _scores(rows: list[dict]) -> dict[tuple[str, str, int], float]:
+    # keyed by the name comparisons give a configuration (temperature by :g), not the row's `config`
+    return {(comparisons.config_name(comparisons.config_key(r)), r["prompt_id"], r["seed"]): float(r["score"])
+            for r in rows if is_score(r["score"])}
+
+
+def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], sequential: str,
+                               planned: int) -> dict[tuple[str, str], tuple[int, float, float]]:
+    """The report's carried rejections (`comparisons.earlier_rejections`) done again with the held-out p
+    (scipy): each look before this reading's, retaken on the suite's first `look_counts` problems, Holm's
+    step-down over the comparisons still open (written here: level alpha / (open - rank)), a missing p
+    counted as 1; {(A, B): (look, p there, threshold)}. The thresholds are the report's
+    (`stats.sequential_threshold`: the declared design's, not an estimate)."""
+    kind, looks = vstats.parse_sequential(sequential)
+    counts = comparisons.look_counts(looks, planned)
+    whole = _scores(rows)
+    fullest = max((len({p for (c, p, _) in whole if c == a} & {p for (c, p, _) in whole if c == b})
+                   for a, b in keys), default=0)
+    now = comparisons.planned_look(fullest, planned, looks)
+    rejected: dict[tuple[str, str], tuple[int, float, float]] = {}
+    for look in range(1, now):
+        scores = _scores([r for r in rows if r["prompt_index"] < counts[look - 1]])
+        family = [k for k in keys if k not in rejected]
+        p_values = [paired_by_problem(scores, a, b)[3] for a, b in family]
+        p_values = [1.0 if math.isnan(p) else p for p in p_values]
+        for rank, i in enumerate(sorted(range(len(family)), key=lambda i: p_values[i])):
+            threshold = vstats.sequential_threshold(kind, looks, look, 0.05 / (len(family) - rank))
+            if not p_values[i] < threshold:
+                break
+            rejected[family[i]] = (look, p_values[i], threshold)
+    return rejected
+
+
+def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str],
+                        sequential: str | None = None, planned: int | None = None) -> None:
     """Each declared comparison on the stored and on the re-scored rows, by the held-out code
     (`heldout.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
     the declared comparisons (`heldout.holm_adjusted`): the report's estimates and p-values reproduced by
-    other code. A sequential design's thresholds are the report's; this prints the unadjusted and Holm p."""
-    print("\nplanned comparisons by the held-out code (scipy; Holm over the declared comparisons):")
+    other code. Under a declared sequential design (`sequential`, over `planned` problems) read at look 2
+    or later, the comparisons rejected at an earlier look (`heldout_earlier_rejections`) are named and Holm
+    runs over the open ones, as the report's; the thresholds are the report's."""
+    print("\nplanned comparisons by the held-out code (scipy; Holm over the declared comparisons open):")
     copied = sum(1 for r in rows if "reused_from" in r)
     if rescored and copied:
         print(f"  (re-scored: the {copied} rows copied from other sweeps keep their stored scores)")
     for name, table_rows in (("stored", rows), ("re-scored", rescored)) if rescored else (("stored", rows),):
-        # keyed by the name comparisons give a configuration (temperature by :g), not the row's `config`
-        scores = {(comparisons.config_name(comparisons.config_key(r)), r["prompt_id"], r["seed"]):
-                  float(r["score"]) for r in table_rows if is_score(r["score"])}
-        found = [f for spec in declared
-                 for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))]
-        p_values = [paired_by_problem(scores, f.config_a, f.config_b)[3] for f in found]
-        for f, holm in zip(found, holm_adjusted(p_values)):
+        scores = _scores(table_rows)
+        found = list({(f.config_a, f.config_b): f for spec in declared
+                      for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))}.values())
+        keys = [(f.config_a, f.config_b) for f in found]
+        indexed = all(type(r.get("prompt_index")) is int for r in table_rows)
+        carried = (heldout_earlier_rejections(table_rows, keys, sequential, planned)
+                   if sequential and planned and indexed else {})
+        open_keys = [k for k in keys if k not in carried]
+        holm = dict(zip(open_keys, holm_adjusted([paired_by_problem(scores, *k)[3] for k in open_keys])))
+        for f, key in zip(found, keys):
+            if key in carried:
+                look, p, threshold = carried[key]
+                after = (f"rejected at look {look} (retaken: p {p:.3g} under the report's threshold "
+                         f"{threshold:.2g})")
+            else:
+                after = f"Holm p {holm[key]:.3g}"
             print(f"  {name}: {f.config_a} - {f.config_b}: {paired_text(scores, f.config_a, f.config_b)}; "
-                  f"Holm p {holm:.3g}")
+                  f"{after}")
 
 
 def score_as(rows: list[dict], suite_name: str) -> list[dict]:
@@ -280,7 +326,8 @@ def main() -> None:
         settings = Path(args.sweep) / "sweep.json"
         declared = json.loads(settings.read_text()).get("compare") or [] if settings.exists() else []
         if declared:
-            planned_comparisons(rows, rescored, declared)
+            plan = json.loads(settings.read_text())
+            planned_comparisons(rows, rescored, declared, plan.get("sequential"), planned_problems(plan))
         elif args.planned:
             print(f"\nplanned comparisons: {settings} declares none (`--compare`)")
     if args.also and not args.pairs:

@@ -24,6 +24,18 @@ def load_benchmark(name: str) -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
+def diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
+    """Rows of one seed on len(diffs[...]) problems in suite order: lossless and plain score 0, each other
+    rule `diffs[rule][i]` on problem i (so rule - lossless is exactly that)."""
+    rows = []
+    n = len(next(iter(diffs.values())))
+    for i in range(n):
+        for rule, score in [("plain", 0.0), ("lossless", 0.0), *((r, d[i]) for r, d in diffs.items())]:
+            rows.append({"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "seed": 0,
+                         "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos"})
+    return rows
+
+
 # Token-level tests skip BLOCK_RULES (tests/test_hsd.py checks them over whole blocks).
 BLOCK_RULES = {"hsd"}
 

@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 import pytest
-from helpers import REPO, load_benchmark
+from helpers import REPO, diff_rows, load_benchmark
 
-from verispec.evaluation import stats
+from verispec.evaluation import comparisons, stats
 
 heldout = load_benchmark("heldout")
 
@@ -82,6 +82,33 @@ def test_sweep_stats_planned_prints_each_declared_comparison_and_holm(capsys):
         assert f"Holm p {h:.3g}" in out
     assert "(12 problems, 24 pairs)" in out and "re-scored: cos:w=0.9 k=4 T=0.7" in out
     assert "lossless k=4 T=0.7 - plain" not in out  # the calibration row is not declared here
+
+
+def test_heldout_carry_matches_the_reports_earlier_rejections(capsys):
+    """sweep_stats' held-out retake of earlier looks (scipy p, Holm written there) finds the report's
+    carried rejections: obf:3 over 60 problems with budget absent from look 1's prefix (kept in Holm's
+    m) and both comparisons rejected at look 2; the printed lines name them and Holm runs over none."""
+    sweep_stats = load_benchmark("sweep_stats")
+    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(60)]
+    cos = [(-0.136 if i < 20 else -1.0) + noise[i] for i in range(60)]  # look 1: between alpha/2 and alpha
+    budget = [-0.6 + 0.1 * ((3 * i) % 7 - 3) for i in range(60)]
+    rows = [r for r in diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
+            if not (r["rule"].startswith("budget") and r["prompt_index"] < 20)]
+    declared = ["cos:w=0.9 vs lossless", "budget:tv=0.1,ratio=2.0 vs lossless"]
+    ours = comparisons.earlier_rejections(rows, declared, "obf", 3, 60, now=3)
+    keys = [("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"),
+            ("budget:tv=0.1,ratio=2.0 k=4 T=1", "lossless k=4 T=1")]
+    theirs = sweep_stats.heldout_earlier_rejections(rows, keys, "obf:3", 60)
+    assert sorted(ours) == sorted(keys) and {look for look, _, _ in ours.values()} == {2}
+    assert {k: (look, threshold) for k, (look, threshold, _) in ours.items()} == {
+        k: (look, threshold) for k, (look, _, threshold) in theirs.items()}
+    sweep_stats.planned_comparisons(rows, None, declared, "obf:3", 60)
+    out = capsys.readouterr().out
+    assert out.count("rejected at look") == len(ours) and "Holm p" not in out.split("open):")[1]
+    # without prompt_index nothing is retaken: Holm over both, as before
+    sweep_stats.planned_comparisons([{k: v for k, v in r.items() if k != "prompt_index"} for r in rows],
+                                    None, declared, "obf:3", 60)
+    assert capsys.readouterr().out.count("Holm p") == 2
 
 
 def test_rescore_returns_decoded_rows_rescored_and_copied_rows_as_stored(capsys):

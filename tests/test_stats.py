@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import diff_rows
 
 from verispec.evaluation import comparisons, scorers, stats
 
@@ -328,18 +329,6 @@ def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys)
     assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()
 
 
-def _diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
-    """Rows of one seed on len(diffs[...]) problems in suite order: lossless and plain score 0, each other
-    rule `diffs[rule][i]` on problem i (so rule - lossless is exactly that)."""
-    rows = []
-    n = len(next(iter(diffs.values())))
-    for i in range(n):
-        for rule, score in [("plain", 0.0), ("lossless", 0.0), *((r, d[i]) for r, d in diffs.items())]:
-            rows.append({"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "seed": 0,
-                         "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos"})
-    return rows
-
-
 def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     """obf:2 over 40 problems (looks at 20 and 40). cos loses clearly on problems 0-19 and gains as much on
     20-39: rejected at look 1 (Holm's first level, 0.025, at look 1), though over all 40 its p is large.
@@ -350,7 +339,7 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     noise = [0.1 * ((7 * i) % 5 - 2) for i in range(40)]
     cos = [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)]
     budget = [-0.12 + 0.5 * ((3 * i) % 7 - 3) / 3 for i in range(40)]  # p 0.12 at look 1, 0.038 at 2
-    rows = _diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
+    rows = diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
     declared = ["cos:w=0.9 vs lossless", "budget:tv=0.1,ratio=2.0 vs lossless"]
     prefix = [r for r in rows if r["prompt_index"] < 20]
     look1 = [comparisons.compare(prefix, *comparisons.parse_comparison(d))[0] for d in declared]
@@ -399,7 +388,7 @@ def test_earlier_looks_count_an_absent_comparison_and_carry_across_several_looks
     mu = next(-m / 1000 for m in range(1, 400) if first_half < look1_p(-m / 1000) < first_all)
     cos = [mu + noise[i] if i < 20 else -1.0 + noise[i] for i in range(60)]
     budget = [-0.6 + 0.1 * ((3 * i) % 7 - 3) for i in range(60)]
-    rows = [r for r in _diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
+    rows = [r for r in diff_rows({"cos:w=0.9": cos, "budget:tv=0.1,ratio=2.0": budget})
             if not (r["rule"].startswith("budget") and r["prompt_index"] < 20)]
     declared = ["cos:w=0.9 vs lossless", "budget:tv=0.1,ratio=2.0 vs lossless"]
     cos_key = ("cos:w=0.9 k=4 T=1", "lossless k=4 T=1")
