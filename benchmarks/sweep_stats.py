@@ -10,8 +10,9 @@
   whose score differs (e.g. a correct program that timed out while the sweep loaded the machine); then
   each comparison the sweep declared (`--compare`), on the stored and the re-scored rows, by code
   written apart from the report's (scipy's t-test on per-problem mean differences, exact McNemar, Holm
-  over the declared comparisons: `heldout.paired_text`, `heldout.holm_adjusted`); --planned alone: those
-  comparisons on the stored scores, with no re-scoring;
+  over the declared comparisons still open: `heldout.paired_text`, `heldout.holm_adjusted`; from a
+  sequential design's look 2 on, the earlier looks retaken and the report's carried rejections named);
+  --planned alone: those comparisons on the stored scores, with no re-scoring;
 - with --timed-out SECONDS: every row the sweep failed by timeout (the report's timeout note) run again
   with a limit of SECONDS, and whether it now passes, fails or times out again: a correct program slowed
   by a loaded machine passes; one that never ends times out again (copied rows included, named so);
@@ -41,7 +42,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from heldout import holm_adjusted, paired_by_problem, paired_text
+from heldout import holm_adjusted, paired_by_problem, paired_text, problem_differences
 
 from verispec.evaluation import comparisons
 from verispec.evaluation import stats as vstats
@@ -181,6 +182,19 @@ def _scores(rows: list[dict]) -> dict[tuple[str, str, int], float]:
             for r in rows if is_score(r["score"])}
 
 
+def first_copies(rows: list[dict]) -> list[dict]:
+    """The rows with a unit written twice kept once, its first copy (as the report reads them: two copies
+    of one unit are one sample); rows without a unit are all kept."""
+    seen: set = set()
+    kept = []
+    for row in rows:
+        unit = row.get("unit")
+        if unit is None or unit not in seen:
+            kept.append(row)
+            seen.add(unit)
+    return kept
+
+
 def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], sequential: str,
                                planned: int) -> dict[tuple[str, str], tuple[int, float, float]]:
     """The report's carried rejections (`comparisons.earlier_rejections`) done again with the held-out p
@@ -191,8 +205,7 @@ def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], se
     kind, looks = vstats.parse_sequential(sequential)
     counts = comparisons.look_counts(looks, planned)
     whole = _scores(rows)
-    fullest = max((len({p for (c, p, _) in whole if c == a} & {p for (c, p, _) in whole if c == b})
-                   for a, b in keys), default=0)
+    fullest = max((len(problem_differences(whole, a, b)) for a, b in keys), default=0)  # paired problems
     now = comparisons.planned_look(fullest, planned, looks)
     rejected: dict[tuple[str, str], tuple[int, float, float]] = {}
     for look in range(1, now):
@@ -221,6 +234,7 @@ def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared:
     if rescored and copied:
         print(f"  (re-scored: the {copied} rows copied from other sweeps keep their stored scores)")
     for name, table_rows in (("stored", rows), ("re-scored", rescored)) if rescored else (("stored", rows),):
+        table_rows = first_copies(table_rows)
         scores = _scores(table_rows)
         found = list({(f.config_a, f.config_b): f for spec in declared
                       for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))}.values())

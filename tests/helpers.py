@@ -32,7 +32,8 @@ def diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
     for i in range(n):
         for rule, score in [("plain", 0.0), ("lossless", 0.0), *((r, d[i]) for r, d in diffs.items())]:
             rows.append({"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "seed": 0,
-                         "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos"})
+                         "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos",
+                         "unit": f"{rule}|q{i:02d}|0"})
     return rows
 
 

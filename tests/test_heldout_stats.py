@@ -105,6 +105,12 @@ def test_heldout_carry_matches_the_reports_earlier_rejections(capsys):
     sweep_stats.planned_comparisons(rows, None, declared, "obf:3", 60)
     out = capsys.readouterr().out
     assert out.count("rejected at look") == len(ours) and "Holm p" not in out.split("open):")[1]
+    # a unit written twice counts once, its first copy, as the report reads it: a later copy of a cos row
+    # in look 1's prefix with another score changes nothing
+    late = dict(next(r for r in rows if r["rule"] == "cos:w=0.9"), score=5.0)
+    assert sweep_stats.first_copies([*rows, late]) == rows
+    sweep_stats.planned_comparisons([*rows, late], None, declared, "obf:3", 60)
+    assert capsys.readouterr().out == out
     # without prompt_index nothing is retaken: Holm over both, as before
     sweep_stats.planned_comparisons([{k: v for k, v in r.items() if k != "prompt_index"} for r in rows],
                                     None, declared, "obf:3", 60)

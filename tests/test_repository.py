@@ -42,4 +42,3 @@ def test_conftest_tables_name_existing_modules():
     assert present, "no test modules found"
     assert sorted(set(HEAVY_FIRST) - present) == []
     assert sorted(SLOW_MODULES - present) == []
-    assert list(HEAVY_FIRST.values()) == sorted(HEAVY_FIRST.values(), reverse=True)

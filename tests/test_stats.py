@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -354,16 +355,25 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     # budget between Holm's alpha/2 threshold and the whole alpha's: the carried rejection decides
     assert stats.sequential_threshold("obf", 2, 2, 0.025) < full[1].pooled.p_value < last
     table = comparisons.comparisons_table(rows, declared, "obf:2", 40)
+    header = next(line for line in table.splitlines() if line.startswith("comparison (A - B)"))
     lines = {line.split(" - ")[0]: line for line in table.splitlines() if " - lossless" in line}
     cos_line, budget_line = lines["cos:w=0.9 k=4 T=1"], lines["budget:tv=0.1,ratio=2.0 k=4 T=1"]
+
+    def cell(line: str, column: str) -> str:  # the fixed-width table: a column starts where its header does
+        return line[re.search(rf"(?<=  ){re.escape(column)}(?=  )", header).start():].split()[0]
+
     assert "rejected at look 1 (retaken, 20 problems)" in cos_line
     assert comparisons._p(first) in cos_line.split()
-    assert cos_line.split()[-5] == "-"  # no MDE for a comparison already decided ...
-    assert cos_line.split()[cos_line.split().index(comparisons._p(first)) - 1] == "-"  # ... and no Holm p
+    assert cell(cos_line, "MDE") == "-" and cell(cos_line, "Holm p") == "-"  # decided: no MDE, no Holm p
+    assert cell(cos_line, "threshold") == comparisons._p(first)
     # budget alone in the family: Holm p = its p, threshold the whole alpha's
-    assert budget_line.split().count(comparisons._p(full[1].pooled.p_value)) == 2
-    assert "reject" in budget_line.split() and comparisons._p(last) in budget_line.split()
+    assert cell(budget_line, "Holm p") == cell(budget_line, "p") == comparisons._p(full[1].pooled.p_value)
+    assert cell(budget_line, "threshold") == comparisons._p(last)
+    assert cell(budget_line, "decision") == "reject"
     assert "Holm p: adjusted over the 1 open declared comparison(s)" in table
+    # a comparison declared twice (once by config ids) is one comparison: one row, one place in Holm's m
+    again = [*declared, "cos:w=0.9 k=4 T=1 vs lossless k=4 T=1"]
+    assert comparisons.comparisons_table(rows, again, "obf:2", 40) == table
     assert "stays rejected" in table and "Maurer and Bretz 2013" in table
     # a look-1 reading (the first 20 problems) carries nothing and reads as before
     early = comparisons.comparisons_table(prefix, declared, "obf:2", 40)
@@ -371,6 +381,9 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     # rows without prompt_index: no prefix to retake, so nothing is carried
     bare = [{k: v for k, v in r.items() if k != "prompt_index"} for r in rows]
     assert comparisons.earlier_rejections(bare, declared, "obf", 2, 40, now=2) == {}
+    unindexed = comparisons.comparisons_table(bare, declared, "obf:2", 40)
+    assert "leave no earlier look's prefix to retake" in unindexed
+    assert "prefix to retake" not in table and "prefix to retake" not in early
 
 
 def test_earlier_looks_count_an_absent_comparison_and_carry_across_several_looks():

@@ -2,7 +2,8 @@
 per configuration (cap-hit, output length, stopped by itself) paired against the baseline, and the
 planned comparisons a sweep declares up front (`verispec bench --compare A:B`), each per seed and pooled
 over (problem x seed) with the test clustered by problem, Holm-corrected over the declared family, with
-an optional group-sequential threshold for interim looks and the minimum detectable effect beside it.
+an optional group-sequential threshold for interim looks (a comparison rejected at an earlier look stays
+rejected and leaves the family: Maurer and Bretz 2013) and the minimum detectable effect beside it.
 Lossless speculative decoding against plain decoding (the same law) is printed as the calibration row
 whenever both are present. The maths is in `verispec.evaluation.stats`.
 """
@@ -319,9 +320,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
                       planned_clusters: int | None = None, looks_taken: int = 1) -> str:
     """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
     both are present and it was not declared), as text: per seed and pooled estimates with 95% intervals,
-    the clustered p, Holm's adjusted p over the declared family, the threshold at this look (Holm's
-    step-down level, turned into the group-sequential design's nominal threshold when one is declared),
-    the decision, and the minimum detectable effect at that threshold with power 0.8.
+    the clustered p, Holm's adjusted p over the declared comparisons still open, the threshold at this
+    look (Holm's step-down level, turned into the group-sequential design's nominal threshold when one
+    is declared; a comparison rejected at an earlier look, `earlier_rejections`, keeps that look's), the
+    decision, and the minimum detectable effect at that threshold with power 0.8.
     `looks_taken` (a fixed design read N times, this reading included; not with `sequential`, whose
     thresholds already count its planned looks): every threshold is divided by N and every Holm p
     multiplied by N (Bonferroni over the looks, conservative)."""
@@ -419,6 +421,11 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               "difference there is chance, not a rule effect)")
     notes = "".join(f"\nnote: the declared comparison {m} has no rows on both sides (not in this sweep, "
                     "or not yet decoded)" for m in missing)
+    unindexed = any(type(r.get("prompt_index")) is not int for r in rows)
+    if looks > 1 and planned_clusters and now > 1 and unindexed:
+        notes += (f"\nnote: this reading is look {now}, but rows without an integer prompt_index leave no "
+                  "earlier look's prefix to retake: Holm runs over every declared comparison, as if none "
+                  "had been rejected before")
     counts = look_counts(looks, planned_clusters) if carried else []
     notes += "".join(f"\nnote: {a} - {b}: rejected at look {look} retaken on {paired} paired problems, "
                      f"fewer than that look's planned {counts[look - 1]}"

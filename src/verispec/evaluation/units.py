@@ -359,10 +359,10 @@ class LocalExecutor:
         with ResultsFile(results_path) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             todo = sum(len(members) for _, members in work)
+            if work and on_start is not None:
+                on_start()  # before the bar exists, so an error here leaves nothing open
             bar = progress(len(units), len(units) - todo, progress_bar)
             if work:
-                if on_start is not None:
-                    on_start()
                 warm_up(self.target, self.drafter, self.prompts[0])
             for config, members in work:
                 for row in decode_rows(spec, suite, self.target, self.drafter, self.prompts, members, config,
