@@ -1,0 +1,155 @@
+"""Was each study declared before it decoded? For every sweep with a PLAN.md (benchmarks/sweeps/*/), read
+from git and the rows themselves, not from the prose that says so:
+
+- the plan's first commit (its committer time) against the start of the first decoding run whose rows
+  the sweep holds (rows copied with --reuse-from are left out: they were decoded elsewhere). A run's
+  start is in its id (`YYYYMMDDTHHMMSSZ-...`, taken when the sweep starts, before any model loads), so
+  "declared before decoding" means: committed before the first such run began. A plan committed just
+  after its run began is still "declared before any row was written" when the commit came before the
+  run's first chunk could have finished: a chunk's rows are written together when the chunk is done
+  (`units.decode_rows`), so a run's first row lands no earlier than its start plus that chunk's wall
+  time (`batch_seconds`, model loading not counted: a lower bound);
+- each later commit to PLAN.md (an amendment): its time, its subject, how many of the sweep's decoded
+  rows came from runs that had started by then (an upper bound on the rows that could have been seen),
+  and how many rows the repository held at that commit.
+
+A hostile reader checks the claims "declared before decoding" and "amended before look N" here instead
+of trusting them. Clocks are the machines' (committer time and the run id's UTC time, both from the
+same session's machine).
+
+    python benchmarks/check_plans.py            # every sweep with a PLAN.md
+    python benchmarks/check_plans.py benchmarks/sweeps/qwen-mtbench-seeds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def run_start(run: str) -> datetime | None:
+    """The UTC start a run id carries (`20261206T084429Z-e128ef`), or None for another form."""
+    try:
+        return datetime.strptime(run.split("-")[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    except (ValueError, AttributeError):
+        return None
+
+
+def decoded_runs(results: Path) -> dict[str, tuple[int, float | None]]:
+    """Run id -> (rows the sweep decoded itself in that run, the wall seconds of the run's first chunk:
+    its first row's `batch_seconds`, None where absent); "" for rows with no run id."""
+    runs: dict[str, tuple[int, float | None]] = {}
+    if not results.exists():
+        return runs
+    with results.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a row cut mid-write: not a decoded row
+            if isinstance(row, dict) and "reused_from" not in row:
+                run = row.get("run") or ""
+                count, first = runs.get(run, (0, row.get("batch_seconds")))
+                runs[run] = (count + 1, first)
+    return runs
+
+
+def plan_commits(plan: Path) -> list[tuple[datetime, str, str]]:
+    """(committer time, hash, subject) of every commit that touched the plan, oldest first."""
+    out = git("log", "--format=%cI%x09%H%x09%s", "--", str(plan.relative_to(REPO)))
+    commits = []
+    for line in out.splitlines():
+        when, sha, subject = line.split("\t", 2)
+        commits.append((datetime.fromisoformat(when).astimezone(timezone.utc), sha, subject))
+    return sorted(commits)
+
+
+def rows_at(sha: str, results: Path) -> int:
+    """Rows in the sweep's results file as committed at `sha` (0 where it did not exist yet)."""
+    done = subprocess.run(["git", "show", f"{sha}:{results.relative_to(REPO)}"], cwd=REPO,
+                          capture_output=True, text=True)
+    return sum(1 for line in done.stdout.splitlines() if line.strip()) if done.returncode == 0 else 0
+
+
+def check(sweep: Path) -> tuple[str, list[str]]:
+    """(a verdict: "declared before decoding", "declared before any row was written", "nothing
+    decoded", "PLAN committed after rows may have been written", "not committed" or "runs of unknown
+    start"), and the lines that show it."""
+    plan, results = sweep / "PLAN.md", sweep / "results.jsonl"
+    commits = plan_commits(plan)
+    runs = {run: count for run, (count, _) in decoded_runs(results).items()}
+    first_chunk = {run: seconds for run, (_, seconds) in decoded_runs(results).items()}
+    starts = {run: run_start(run) for run in runs}
+    lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"]
+    if not commits:
+        return "not committed", lines + ["  PLAN.md has no commit"]
+    first, sha, subject = commits[0]
+    lines.append(f"  declared {first:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:80]})")
+    if not runs:
+        verdict = "nothing decoded"
+    elif any(start is None for start in starts.values()):
+        verdict = "runs of unknown start"
+        lines.append(f"  {sum(n for r, n in runs.items() if starts[r] is None)} decoded row(s) carry no "
+                     "run id with a start time")
+    else:
+        earliest_run = min(runs, key=lambda r: starts[r])
+        earliest = starts[earliest_run]
+        lines.append(f"  first decoding run started {earliest:%Y-%m-%d %H:%M:%S} UTC "
+                     f"({(earliest - first).total_seconds():+.0f} s after the plan)")
+        chunk = first_chunk[earliest_run]
+        if first < earliest:
+            verdict = "declared before decoding"
+        elif chunk is not None and (first - earliest).total_seconds() < chunk:
+            verdict = "declared before any row was written"
+            lines.append(f"  its first chunk took {chunk:.0f} s, so its first rows were written at least "
+                         f"{chunk - (first - earliest).total_seconds():.0f} s after the plan's commit")
+        else:
+            verdict = "PLAN committed after rows may have been written"
+    for when, sha, subject in commits[1:]:
+        seen = sum(n for r, n in runs.items() if starts[r] is not None and starts[r] <= when)
+        lines.append(f"  amended {when:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:60]}): "
+                     f"{seen} decoded row(s) from runs started by then; {rows_at(sha, results)} row(s) "
+                     "committed at that commit")
+    return verdict, lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweeps", nargs="*", type=Path,
+                        help="sweep directories (default: every benchmarks/sweeps/* with a PLAN.md)")
+    args = parser.parse_args(argv)
+    sweeps = [p.resolve() for p in args.sweeps] or sorted(p.parent for p in
+                                                          (REPO / "benchmarks" / "sweeps").glob("*/PLAN.md"))
+    if git("rev-parse", "--is-shallow-repository").strip() == "true":
+        print("a shallow clone: the plans' first commits are not all here (git fetch --unshallow)")
+        return 2
+    bad = 0
+    for sweep in sweeps:
+        if not (sweep / "PLAN.md").is_file():
+            print(f"{sweep}: no PLAN.md")
+            bad += 1
+            continue
+        verdict, lines = check(sweep)
+        print("\n".join(lines) + f"\n  -> {verdict}")
+        bad += verdict not in ("declared before decoding", "declared before any row was written",
+                               "nothing decoded")
+    print(f"\n{len(sweeps) - bad} of {len(sweeps)} plan(s) committed before any row of theirs was written")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
