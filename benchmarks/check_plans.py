@@ -84,18 +84,18 @@ def rows_at(sha: str, results: Path) -> int:
     return sum(1 for line in done.stdout.splitlines() if line.strip()) if done.returncode == 0 else 0
 
 
-def check(sweep: Path) -> tuple[str, list[str]]:
+def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
     """(a verdict: "declared before decoding", "declared before any row was written", "nothing
-    decoded", "PLAN committed after rows may have been written", "not committed" or "runs of unknown
-    start"), and the lines that show it."""
-    plan, results = sweep / "PLAN.md", sweep / "results.jsonl"
+    decoded", "<declaration> committed after rows may have been written", "not committed" or "runs of
+    unknown start"), and the lines that show it; `declaration`: the file whose first commit declares."""
+    plan, results = sweep / declaration, sweep / "results.jsonl"
     commits = plan_commits(plan)
     runs = {run: count for run, (count, _) in decoded_runs(results).items()}
     first_chunk = {run: seconds for run, (_, seconds) in decoded_runs(results).items()}
     starts = {run: run_start(run) for run in runs}
     lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"]
     if not commits:
-        return "not committed", lines + ["  PLAN.md has no commit"]
+        return "not committed", lines + [f"  {declaration} has no commit"]
     first, sha, subject = commits[0]
     lines.append(f"  declared {first:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:80]})")
     if not runs:
@@ -117,7 +117,7 @@ def check(sweep: Path) -> tuple[str, list[str]]:
             lines.append(f"  its first chunk took {chunk:.0f} s, so its first rows were written at least "
                          f"{chunk - (first - earliest).total_seconds():.0f} s after the plan's commit")
         else:
-            verdict = "PLAN committed after rows may have been written"
+            verdict = f"{declaration} committed after rows may have been written"
     for when, sha, subject in commits[1:]:
         seen = sum(n for r, n in runs.items() if starts[r] is not None and starts[r] <= when)
         lines.append(f"  amended {when:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:60]}): "
@@ -148,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         bad += verdict not in ("declared before decoding", "declared before any row was written",
                                "nothing decoded")
     print(f"\n{len(sweeps) - bad} of {len(sweeps)} plan(s) committed before any row of theirs was written")
+    if not args.sweeps:
+        # studies declared only by their sweep.json (`--compare`, `--sequential`): the first run writes it
+        # before any row and `--resume` refuses other settings, so the declaration is fixed from the first
+        # row on, but only its commit time can show a reader when it existed; listed, not counted
+        only = sorted(p.parent for p in (REPO / "benchmarks" / "sweeps").glob("*/sweep.json")
+                      if not (p.parent / "PLAN.md").exists() and json.loads(p.read_text()).get("compare"))
+        print(f"\n{len(only)} sweep(s) declare comparisons only in their sweep.json (not counted above):")
+        for sweep in only:
+            verdict, lines = check(sweep, "sweep.json")
+            print("\n".join(lines) + f"\n  -> {verdict}")
     return 1 if bad else 0
 
 
