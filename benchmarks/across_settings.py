@@ -1,0 +1,66 @@
+"""The min-p gate against honest min-p sampling across the settings where the two met: each setting's
+Holm-adjusted p (over that sweep's declared family, at the reading that decided it) and that p times the
+number of settings (Bonferroni across settings, capped at 1), recomputed from the committed rows with
+the report's own code (`verispec.evaluation.comparisons`, `stats.holm`): the README's "Bonferroni over
+the four settings" figures, as a command instead of arithmetic in prose.
+
+Each setting is its own declared family; this correction is not any plan's, and is printed as a reading
+across plans (README, 'Findings on the Qwen2.5-Coder pair'). A reading that decided at an interim look
+(MT-Bench seed 0: look 1, 40 questions) is taken on that look's prefix, where its Holm p was computed.
+
+    python benchmarks/across_settings.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from verispec.evaluation import comparisons, stats
+from verispec.evaluation.store import read_rows
+
+REPO = Path(__file__).resolve().parents[1]
+GATE = "speccascade:min_p=0.1 vs honest:speccascade:min_p=0.1"
+
+# (setting, sweep, the problems the deciding reading read: None for all); the four settings of the
+# README's correction, with graded-steps' three readings (seed 0 declared, seed 1, the two pooled)
+SETTINGS = (
+    ("HumanEval T = 1, seeds 0-2", "qwen-humaneval-sanitized-seeds", None),
+    ("HumanEval T = 0.7, seeds 0-2", "qwen-humaneval-t07", None),
+    ("graded-steps, seed 0", "qwen-graded-steps", None),
+    ("graded-steps, seed 1", "qwen-graded-steps-seed1", None),
+    ("graded-steps, seeds 0-1", "qwen-graded-steps-seeds01", None),
+    ("MT-Bench T = 1, seed 0 (look 1)", "qwen-mtbench", 40),
+)
+N_SETTINGS = 4  # HumanEval T = 1, HumanEval T = 0.7, graded-steps, MT-Bench
+
+
+def gate_holm_p(sweep: str, problems: int | None) -> tuple[float, float, int]:
+    """(the gate's estimate, its Holm p over the sweep's declared family, the problems paired) on the
+    sweep's rows (the first `problems` problems when given)."""
+    directory = REPO / "benchmarks" / "sweeps" / sweep
+    declared = json.loads((directory / "sweep.json").read_text())["compare"]
+    rows = read_rows(directory / "results.jsonl")
+    if problems is not None:
+        rows = [r for r in rows if r["prompt_index"] < problems]
+    family = [c for text in declared for c in comparisons.compare(rows, *comparisons.parse_comparison(text))]
+    adjusted = stats.holm([c.pooled.p_value for c in family])
+    for c, p in zip(family, adjusted):
+        if c.config_a.startswith("speccascade:min_p=0.1") and c.config_b.startswith("honest:speccascade"):
+            return c.pooled.estimate, p, c.pooled.clusters
+    raise ValueError(f"{sweep}: no declared comparison {GATE!r}")
+
+
+def main() -> int:
+    print(f"the gate - honest min-p: each setting's Holm p, and x {N_SETTINGS} (Bonferroni across the "
+          f"{N_SETTINGS} settings, capped at 1)")
+    for label, sweep, problems in SETTINGS:
+        estimate, holm_p, paired = gate_holm_p(sweep, problems)
+        print(f"  {label:34s} {estimate:+.3f} ({paired} problems): Holm p {holm_p:.3g} -> "
+              f"{min(1.0, N_SETTINGS * holm_p):.3g}  [{sweep}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
