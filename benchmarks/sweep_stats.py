@@ -195,29 +195,10 @@ def first_copies(rows: list[dict]) -> list[dict]:
     return kept
 
 
-def recorded_looks(path: Path) -> dict[int, int]:
-    """look -> the problems its first recorded reading read (looks.jsonl, `verispec report
-    --record-look`), read here apart from the report's code; {} where none was recorded."""
-    read: dict[int, int] = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict):
-                continue
-            if type(record.get("look")) is int and type(record.get("problems")) is int:
-                read.setdefault(record["look"], record["problems"])
-    return read
-
-
 def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], sequential: str,
-                               planned: int, read: dict[int, int] | None = None
-                               ) -> dict[tuple[str, str], tuple[int, float, float]]:
+                               planned: int) -> dict[tuple[str, str], tuple[int, float, float]]:
     """The report's carried rejections (`comparisons.earlier_rejections`) done again with the held-out p
-    (scipy): each look before this reading's, retaken on the suite's first `look_counts` problems (or the
-    prefix a recorded reading read: `read`, look -> problems, from looks.jsonl), Holm's
+    (scipy): each look before this reading's, retaken on the suite's first `look_counts` problems, Holm's
     step-down over the comparisons still open (written here: level alpha / (open - rank)), a missing p
     counted as 1; {(A, B): (look, p there, threshold)}. The thresholds are the report's
     (`stats.sequential_threshold`: the declared design's, not an estimate)."""
@@ -228,7 +209,7 @@ def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], se
     now = comparisons.planned_look(fullest, planned, looks)
     rejected: dict[tuple[str, str], tuple[int, float, float]] = {}
     for look in range(1, now):
-        scores = _scores([r for r in rows if r["prompt_index"] < (read or {}).get(look, counts[look - 1])])
+        scores = _scores([r for r in rows if r["prompt_index"] < counts[look - 1]])
         family = [k for k in keys if k not in rejected]
         p_values = [paired_by_problem(scores, a, b)[3] for a, b in family]
         p_values = [1.0 if math.isnan(p) else p for p in p_values]
@@ -241,8 +222,7 @@ def heldout_earlier_rejections(rows: list[dict], keys: list[tuple[str, str]], se
 
 
 def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared: list[str],
-                        sequential: str | None = None, planned: int | None = None,
-                        read: dict[int, int] | None = None) -> None:
+                        sequential: str | None = None, planned: int | None = None) -> None:
     """Each declared comparison on the stored and on the re-scored rows, by the held-out code
     (`heldout.paired_text`: scipy's t-test on per-problem mean differences, exact McNemar), with Holm over
     the declared comparisons (`heldout.holm_adjusted`): the report's estimates and p-values reproduced by
@@ -260,7 +240,7 @@ def planned_comparisons(rows: list[dict], rescored: list[dict] | None, declared:
                       for f in comparisons.compare(table_rows, *comparisons.parse_comparison(spec))}.values())
         keys = [(f.config_a, f.config_b) for f in found]
         indexed = all(type(r.get("prompt_index")) is int for r in table_rows)
-        carried = (heldout_earlier_rejections(table_rows, keys, sequential, planned, read)
+        carried = (heldout_earlier_rejections(table_rows, keys, sequential, planned)
                    if sequential and planned and indexed else {})
         open_keys = [k for k in keys if k not in carried]
         holm = dict(zip(open_keys, holm_adjusted([paired_by_problem(scores, *k)[3] for k in open_keys])))
@@ -361,8 +341,7 @@ def main() -> None:
         declared = json.loads(settings.read_text()).get("compare") or [] if settings.exists() else []
         if declared:
             plan = json.loads(settings.read_text())
-            planned_comparisons(rows, rescored, declared, plan.get("sequential"), planned_problems(plan),
-                                recorded_looks(Path(args.sweep) / "looks.jsonl"))
+            planned_comparisons(rows, rescored, declared, plan.get("sequential"), planned_problems(plan))
         elif args.planned:
             print(f"\nplanned comparisons: {settings} declares none (`--compare`)")
     if args.also and not args.pairs:

@@ -386,53 +386,6 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     assert "prefix to retake" not in table and "prefix to retake" not in early
 
 
-def test_a_recorded_early_reading_is_carried_as_read(tmp_path, capsys, core_rows):
-    """A look recorded as read on another prefix (looks.jsonl, `verispec report --record-look`) is
-    carried as read: the cos of the first test, rejected on look 1's planned 20 problems, is not
-    rejected on 30 (ten of them where it gains), so a reading recorded at 30 carries nothing. On the CLI:
-    --record-look writes the look, refuses a second reading of it, and needs a declared design."""
-    from verispec.cli import main
-    from verispec.evaluation import store
-
-    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(40)]
-    cos = [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)]
-    rows = diff_rows({"cos:w=0.9": cos})
-    declared = ["cos:w=0.9 vs lossless"]
-    assert comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=2)
-    assert comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=2, read={1: 30}) == {}
-    recorded = [{"look": 1, "problems": 20, "paired": 20, "read_at": "t1"},
-                {"look": 1, "problems": 30, "paired": 30, "read_at": "t2"}]
-    table = comparisons.comparisons_table(rows, declared, "obf:2", 40, recorded=recorded)
-    assert "rejected at look 1 (as recorded, 20 problems)" in table  # the first record is the reading
-    assert "look 1 was recorded as read 2 times (t1, t2; looks.jsonl)" in table
-    early = comparisons.comparisons_table(rows, declared, "obf:2", 40, recorded=recorded[1:])
-    assert "rejected at look" not in early and "look 1 was read on the suite's first 30 problems" in early
-    # the CLI on committed rows: 50 planned problems, obf:2 (looks at 25 and 50)
-    out = tmp_path / "sweep"
-    out.mkdir()
-    first = [r for r in core_rows if r["prompt_index"] < 50]
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
-    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "limit": 50,
-                                                "compare": ["cos:w=0.9:lossless"], "sequential": "obf:2"}))
-    html = str(tmp_path / "r.html")
-    assert main(["report", str(out), "--problems", "25", "--record-look", "--html", html]) == 0
-    printed = capsys.readouterr().out
-    assert "recorded as look 1's reading (looks.jsonl: the suite's first 25 problems" in printed
-    [record] = store.read_looks(out / "results.jsonl")
-    assert (record["look"], record["problems"], record["paired"]) == (1, 25, 25)
-    assert main(["report", str(out), "--problems", "25", "--record-look", "--html", html]) == 2
-    assert "look 1 was recorded as read at" in capsys.readouterr().err
-    assert len(store.read_looks(out / "results.jsonl")) == 1  # the refused reading recorded nothing
-    assert main(["report", str(out), "--html", html]) == 0  # look 2 reads look 1 as recorded
-    expected = comparisons.comparisons_table(first, ["cos:w=0.9:lossless"], "obf:2", 50, recorded=[record])
-    assert expected.splitlines()[2] in capsys.readouterr().out  # the cos row, as the function reads it
-    assert main(["report", str(out), "--progress", "--record-look"]) == 2
-    capsys.readouterr()
-    (out / "sweep.json").write_text(json.dumps({"suite": "humaneval", "limit": 50, "compare": []}))
-    assert main(["report", str(out), "--record-look", "--html", html]) == 2
-    assert "declares none" in capsys.readouterr().err
-
-
 def test_earlier_looks_count_an_absent_comparison_and_carry_across_several_looks():
     """obf:3 over 60 problems (looks at 20, 40, 60). budget has rows only from problem 20 on, so at look
     1 it has no pairs: it still counts in Holm's m (p = 1), and cos, whose look-1 p lies between the

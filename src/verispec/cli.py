@@ -107,11 +107,10 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 
 
 def print_report(results: str, html: str | None = None, markdown: bool = False,
-                 columns: list[str] | None = None, looks_taken: int = 1, problems: int | None = None,
-                 record_look: bool = False) -> int:
+                 columns: list[str] | None = None, looks_taken: int = 1, problems: int | None = None) -> int:
     """Print a sweep's report table and write its HTML report (the path is printed)."""
 
-    table, html_path = write_report(results, html, markdown, columns, looks_taken, problems, record_look)
+    table, html_path = write_report(results, html, markdown, columns, looks_taken, problems)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -164,14 +163,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    if args.record_look and args.progress:
-        raise ValueError("--record-look records a reading of outcomes; --progress reads none")
     if args.progress:
         print(sweep_progress(args.dir, args.problems))
         return 0
     columns = None if args.columns is None else [c.strip() for c in args.columns.split(",")]
-    return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken, args.problems,
-                        args.record_look)
+    return print_report(args.dir, args.html, args.markdown, columns, args.looks_taken, args.problems)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -376,10 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read only the suite's first N problems (the rows beyond are left out): a "
                              "sequential look taken at its planned number of problems after the sweep "
                              "went past it")
-    report.add_argument("--record-look", action="store_true",
-                        help="record this reading as its look of the declared sequential design "
-                             "(DIR/looks.jsonl: the look, the problems read, when): later looks then carry "
-                             "its rejections as read, and a second reading of the same look is refused")
     report.set_defaults(func=cmd_report)
 
     demo = sub.add_parser("demo",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from statistics import mean
 from typing import Callable
@@ -281,14 +281,11 @@ def _interval(e: stats.PairedEstimate) -> str:
 
 
 def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: int, planned_clusters: int,
-                       now: int, read: dict[int, int] | None = None
-                       ) -> dict[tuple[str, str], tuple[int, float, int]]:
+                       now: int) -> dict[tuple[str, str], tuple[int, float, int]]:
     """The declared comparisons rejected at a look before look `now` of a group-sequential design,
     {(config A, config B): (look, threshold, paired problems)}: each earlier look is taken again on the
-    suite's first `look_counts` problems (prompt_index below the count), or on the prefix that look was
-    recorded as read on (`read`: look -> problems, from looks.jsonl: an early reading is carried as it
-    was read), by Holm's step-down over the comparisons still open, at that look's threshold for each
-    Holm level. A comparison rejected at a
+    suite's first `look_counts` problems (prompt_index below the count) by Holm's step-down over the
+    comparisons still open, at that look's threshold for each Holm level. A comparison rejected at a
     look stays rejected and leaves the family, its alpha passing to the others (Holm as a graphical
     procedure under a group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical
     Research 5(4)). The family at every look is the comparisons the rows have now, less those already
@@ -302,7 +299,7 @@ def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: 
     counts = look_counts(looks, planned_clusters)
     rejected: dict[tuple[str, str], tuple[int, float, int]] = {}
     for look in range(1, now):
-        prefix = [r for r in rows if r["prompt_index"] < (read or {}).get(look, counts[look - 1])]
+        prefix = [r for r in rows if r["prompt_index"] < counts[look - 1]]
         at: dict[tuple[str, str], Comparison] = {}
         for text in declared:
             for c in compare(prefix, *parse_comparison(text)):
@@ -319,19 +316,8 @@ def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: 
     return rejected
 
 
-def reading_look(rows: list[dict], declared: list[str], sequential: str, planned_clusters: int
-                 ) -> tuple[int, int]:
-    """(the look a report of these rows takes under the declared design, the paired problems of its
-    fullest declared comparison): as `comparisons_table` counts them."""
-    _, looks = stats.parse_sequential(sequential)
-    paired = max((c.pooled.clusters for text in declared for c in compare(rows, *parse_comparison(text))),
-                 default=0)
-    return planned_look(paired, planned_clusters, looks), paired
-
-
 def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
-                      planned_clusters: int | None = None, looks_taken: int = 1,
-                      recorded: list[dict] | None = None) -> str:
+                      planned_clusters: int | None = None, looks_taken: int = 1) -> str:
     """The planned comparisons (declared in sweep.json) and the calibration row (lossless vs plain, when
     both are present and it was not declared), as text: per seed and pooled estimates with 95% intervals,
     the clustered p, Holm's adjusted p over the declared comparisons still open, the threshold at this
@@ -340,8 +326,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     decision, and the minimum detectable effect at that threshold with power 0.8.
     `looks_taken` (a fixed design read N times, this reading included; not with `sequential`, whose
     thresholds already count its planned looks): every threshold is divided by N and every Holm p
-    multiplied by N (Bonferroni over the looks, conservative). `recorded`: the sweep's recorded looks
-    (looks.jsonl, `store.read_looks`): an earlier look is retaken on the prefix its first record read."""
+    multiplied by N (Bonferroni over the looks, conservative)."""
     if isinstance(looks_taken, bool) or not isinstance(looks_taken, int) or looks_taken < 1:
         raise ValueError(f"looks taken must be a positive integer, got {looks_taken!r}")
     if sequential and looks_taken > 1:
@@ -363,10 +348,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     planned = [c for c in family if c.planned]
     kind, looks = stats.parse_sequential(sequential) if sequential else ("pocock", 1)
     now = planned_look(max(c.pooled.clusters for c in planned), planned_clusters, looks) if planned else 1
-    read: dict[int, int] = {}
-    for record in recorded or []:
-        read.setdefault(record["look"], record["problems"])  # a look's first reading is its record
-    carried = (earlier_rejections(rows, declared, kind, looks, planned_clusters, now, read)
+    carried = (earlier_rejections(rows, declared, kind, looks, planned_clusters, now)
                if looks > 1 and planned_clusters else {})
     is_open = [(c.config_a, c.config_b) not in carried for c in planned]
     # Holm's adjusted p and levels over the comparisons still open (one rejected at an earlier look left
@@ -388,8 +370,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
         c = planned[i]
         if not is_open[i]:
             look, threshold, paired = carried[(c.config_a, c.config_b)]
-            how = "as recorded" if look in read else "retaken"
-            decisions[i] = (threshold, f"rejected at look {look} ({how}, {paired} problems)")
+            decisions[i] = (threshold, f"rejected at look {look} (retaken, {paired} problems)")
             continue
         look = planned_look(c.pooled.clusters, planned_clusters, looks)
         threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) / looks_taken
@@ -428,11 +409,10 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
               f"alpha {ALPHA}, {design}; decision: reject while the ordered p stay under their thresholds"
               + ("; a comparison rejected at an earlier look stays rejected, shows that look's threshold, "
                  "and leaves the family, so the open ones' Holm p and levels count only them (Maurer and "
-                 "Bretz 2013); its estimate here is descriptive. Each earlier look is taken again on the "
-                 "prefix its reading was recorded on (--record-look: 'as recorded'), else on the suite's "
-                 "first problems up to its planned count ('retaken'; if that look was read at the time "
-                 "on other rows, an early reading, that reading is the record, not this retake); the "
-                 "problems paired there in brackets" if carried else "") + "; "
+                 "Bretz 2013); its estimate here is descriptive. Each earlier look is retaken here on the "
+                 "suite's first problems up to its planned count (the problems paired there in brackets): "
+                 "if a look was read at the time on other rows (an early reading, fewer problems), that "
+                 "reading is the record, not this retake" if carried else "") + "; "
               f"MDE: the true difference detected with power {POWER} at that threshold, from the pooled "
               "standard error; from cap-hit pairs: the part of the pooled difference (the sum of A - B "
               "over all pairs divided by their number) carried by the pairs where A or B hit the length "
@@ -449,19 +429,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     counts = look_counts(looks, planned_clusters) if carried else []
     notes += "".join(f"\nnote: {a} - {b}: rejected at look {look} retaken on {paired} paired problems, "
                      f"fewer than that look's planned {counts[look - 1]}"
-                     for (a, b), (look, _, paired) in carried.items()
-                     if paired < counts[look - 1] and look not in read)
-    for look, n in sorted(Counter(record["look"] for record in recorded or []).items()):
-        times = ", ".join(r.get("read_at", "?") for r in recorded if r["look"] == look)
-        if n > 1:
-            notes += (f"\nnote: look {look} was recorded as read {n} times ({times}; looks.jsonl): the "
-                      "design allows one reading per look; the first is carried")
-    if looks > 1 and planned_clusters:
-        counts = look_counts(looks, planned_clusters)
-        notes += "".join(f"\nnote: look {look} was read on the suite's first {problems} problems "
-                         f"(looks.jsonl), its planned count {counts[look - 1]}: it is carried as read"
-                         for look, problems in sorted(read.items())
-                         if look <= looks and problems != counts[look - 1])
+                     for (a, b), (look, _, paired) in carried.items() if paired < counts[look - 1])
     notes += "".join(f"\nnote: {c.config_a} - {c.config_b}: every problem's difference is the same "
                      f"({_fmt(c.pooled.estimate)}), so the t-test has no spread to work with: its p is a "
                      "convention (1 for a zero difference, 0 otherwise) and no MDE is given"

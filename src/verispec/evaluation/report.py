@@ -32,11 +32,9 @@ from statistics import mean, median, stdev
 from typing import Sequence
 
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
-                                             loglik_controls_table, look_counts, progress_table,
-                                             reading_look, tier_table)
+                                             loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
-from verispec.evaluation.store import (check_schema, read_looks, read_runs, record_look_reading, results_file,
-                                       run_started, scan_rows)
+from verispec.evaluation.store import check_schema, read_runs, results_file, run_started, scan_rows
 from verispec.evaluation.suites import load_suite
 from verispec.evaluation.units import SweepSpec
 from verispec.machine import kind
@@ -958,23 +956,18 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                  markdown: bool = False, columns: Sequence[str] | None = None,
-                 looks_taken: int = 1, problems: int | None = None,
-                 record_look: bool = False) -> tuple[str, Path]:
+                 looks_taken: int = 1, problems: int | None = None) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
     table, e.g. for a README; `columns`: only these, by header name) and the path of the HTML report
     (every column). `looks_taken`: how often a fixed-design sweep's comparisons have been read
     (`comparisons.comparisons_table`); `problems`: read only the suite's first N problems
-    (`first_problems`); `record_look`: record this reading of a group-sequential look in looks.jsonl
-    (`store.record_look_reading`; refused without a declared design, or for a look already recorded), so later
-    looks carry its rejections as read.
+    (`first_problems`).
 
     Unreadable lines and rows are skipped and said so (with file and line numbers); rows of another
     schema version are refused with both version numbers; an unreadable file is named with the reason."""
     path, rows, notes = _read_sweep(results_dir)
     settings = _read_settings(path, notes)
     rows = first_problems(rows, problems, settings, notes)
-    recorded = read_looks(path)
-    to_record = _look_to_record(rows, settings, recorded) if record_look else None
     for note in notes:
         logging.getLogger(__name__).warning(note)
     summary = summarize(rows) if rows else []
@@ -992,45 +985,21 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     for i, note in enumerate(notes):
         meta[f"note {i + 1}"] = note
     html_path = Path(html_path) if html_path else path.parent / "report.html"
-    outcomes = outcome_sections(rows, settings, looks_taken, recorded)
+    outcomes = outcome_sections(rows, settings, looks_taken)
     html_path.write_text(render_html(summary, "verispec report", meta, outcomes), encoding="utf-8")
     table = terminal_table(summary, markdown, columns) + outcomes
-    if to_record is not None:  # only once the reading is complete: a failed report records nothing
-        look, prefix, paired = to_record
-        record_look_reading(path.parent, look, prefix, paired)
-        notes.append(f"recorded as look {look}'s reading (looks.jsonl: the suite's first {prefix} problems, "
-                     f"{paired} paired): a later look carries its rejections as read")
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
 
 
-def _look_to_record(rows: list[dict], settings: dict, recorded: list[dict]) -> tuple[int, int, int]:
-    """(look, prefix read, paired problems) of a reading to record with --record-look; ValueError when
-    the sweep declares no group-sequential design (or no planned size), or the look is recorded."""
-    sequential, planned = settings.get("sequential"), planned_problems(settings)
-    if not sequential or not planned:
-        raise ValueError("--record-look records a look of a declared group-sequential design (bench "
-                         "--sequential with a known number of problems); this sweep declares none")
-    if not rows or any(type(r.get("prompt_index")) is not int for r in rows):
-        raise ValueError("--record-look: rows without an integer prompt_index leave the prefix read unknown")
-    look, paired = reading_look(rows, list(settings.get("compare") or []), sequential, planned)
-    earlier = [r for r in recorded if r["look"] == look]
-    if earlier:
-        raise ValueError(f"--record-look: look {look} was recorded as read at {earlier[0].get('read_at')} "
-                         "(looks.jsonl); the design allows one reading per look (read it again without "
-                         "--record-look)")
-    return look, max(r["prompt_index"] for r in rows) + 1, paired
-
-
-def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1,
-                     recorded: list[dict] | None = None) -> str:
+def outcome_sections(rows: list[dict], settings: dict, looks_taken: int = 1) -> str:
     """The length outcomes and the planned comparisons (`verispec.evaluation.comparisons`) under the
     table; `settings`: the sweep.json (its `compare` and `sequential`); `looks_taken`: readings of a
-    fixed-design sweep so far; `recorded`: its recorded looks (looks.jsonl)."""
+    fixed-design sweep so far."""
     out = "\n\nlength outcomes:\n" + length_table(rows, baseline_of)
     declared = list(settings.get("compare") or [])
     sequential = settings.get("sequential")
     planned = planned_problems(settings) if sequential else None
-    table = comparisons_table(rows, declared, sequential, planned, looks_taken, recorded)
+    table = comparisons_table(rows, declared, sequential, planned, looks_taken)
     out += "\n\nplanned comparisons:\n" + table if table else ""
     controls = loglik_controls_table(rows, declared)
     out += "\n\nwhat else moves the log-likelihood score:\n" + controls if controls else ""

@@ -131,35 +131,6 @@ def read_runs(results_path: Path) -> dict[str, dict]:
     return {r["run"]: r for r in scan.rows if isinstance(r.get("run"), str)}
 
 
-LOOKS_FILE = "looks.jsonl"  # beside results.jsonl: one line per recorded look of a sequential design
-
-
-def record_look_reading(out_dir: Path, look: int, problems: int, paired: int) -> dict:
-    """Append a reading of a group-sequential look to OUT_DIR/looks.jsonl (`verispec report
-    --record-look`) and return it: the look, the prefix it read (the suite's first `problems` problems),
-    the paired problems of its fullest planned comparison, and when (UTC). A later look's report retakes
-    an earlier look on the prefix recorded here rather than on its planned count
-    (`comparisons.earlier_rejections`), so an early reading is carried as it was read."""
-    record = {"look": look, "problems": problems, "paired": paired,
-              "read_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with (Path(out_dir) / LOOKS_FILE).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return record
-
-
-def read_looks(results_path: Path) -> list[dict]:
-    """The recorded looks beside a results file, in the order read ([] where none were recorded);
-    unreadable lines and records without an integer look and prefix are skipped and logged."""
-    try:
-        scan = scan_rows(Path(results_path).parent / LOOKS_FILE)
-    except ValueError as err:
-        log.warning("%s; no recorded look is used", err)
-        return []
-    return [r for r in scan.rows if type(r.get("look")) is int and type(r.get("problems")) is int]
-
-
 def check_schema(path: Path, rows: list[dict], lines: list[int] | None = None) -> None:
     """Refuse rows written by another schema version, with both version numbers."""
     for i, row in enumerate(rows):
