@@ -30,6 +30,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from verispec.evaluation.store import run_started
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,11 +43,10 @@ def git(*args: str) -> str:
 
 
 def run_start(run: str) -> datetime | None:
-    """The UTC start a run id carries (`20261206T084429Z-e128ef`), or None for another form."""
-    try:
-        return datetime.strptime(run.split("-")[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
-    except (ValueError, AttributeError):
-        return None
+    """The UTC start a run id carries (`20261206T084429Z-e128ef`: `store.run_started`), or None for
+    another form."""
+    started = run_started(run) if isinstance(run, str) else None
+    return None if started is None else datetime.fromtimestamp(started, tz=timezone.utc)
 
 
 def decoded_runs(results: Path) -> dict[str, tuple[int, float | None]]:
