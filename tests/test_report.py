@@ -362,7 +362,19 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     (note,) = pace_note(rows, 100, 2, start + 30 * 60)  # 61 of 400; 60 rows in 30 minutes: 2 a minute
     assert note.startswith("progress: 61 of 400 rows (2 configurations x 100 problems x 2 seed(s)); "
                            "the latest run (20261205T150000Z-abcdef) wrote 2.00 rows a minute")
-    assert "the other 339 rows take about 2.8 h" in note
+    assert "the other 339 rows take about 2.8 h" in note and "median chunk" not in note  # no chunk times
+    # with chunk times (a chunk's rows share its wall time): plain's chunks of 15 rows took 60 and 50 s
+    # (4 and 3.33 s a row), lossless's 90 s and, paused by SIGSTOP for 20 minutes, 1290 s (6 and 86 s a
+    # row): median 5 s a row, 339 rows to go; the pace from the run's start (2 a minute) counts the pause
+    timed = [dict(r, batch_seconds=(60.0, 50.0, 90.0, 1290.0)[(r["config"] != "plain T=1") * 2
+                                                              + (int(r["prompt_id"]) >= 15)])
+             if "reused_from" not in r else r for r in rows]
+    (note,) = pace_note(timed, 100, 2, start + 30 * 60)
+    assert "the other 339 rows take about 2.8 h at that pace" in note
+    assert note.endswith(f"at the median chunk's 5.0 s a row (4 chunks of this run, all configurations; not "
+                         f"moved by a paused or loaded chunk) about {339 * 5 / 3600:.1f} h")
+    plain_only = [r for r in timed if r["config"] == "plain T=1"]  # two timed chunks: too few for a median
+    assert "median chunk" not in pace_note(plain_only, 100, 2, start + 30 * 60)[0]
     assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
                                                    "problems x 2 seed(s))"]  # under a minute: no pace
     assert pace_note([], 100, 1, start) == [] and pace_note(rows, None, 1, start) == []

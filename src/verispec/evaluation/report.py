@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import math
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, median, stdev
@@ -933,11 +934,23 @@ def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: flo
     minutes = (last_write - start) / 60 if start is not None else 0.0
     if minutes <= 1 or done >= total:
         return [f"progress: {text}"]
-    rate = sum(1 for r in rows if r.get("run") == runs[-1] and "reused_from" not in r) / minutes
+    latest = [r for r in rows if r.get("run") == runs[-1] and "reused_from" not in r]
+    rate = len(latest) / minutes
     hours = (total - done) / rate / 60
-    return [f"progress: {text}; the latest run ({runs[-1]}) wrote {rate:.2f} rows a minute from its start "
+    note = (f"progress: {text}; the latest run ({runs[-1]}) wrote {rate:.2f} rows a minute from its start "
             f"to the last write, so the other {total - done} rows take about {hours:.1f} h at that pace "
-            "(on this machine and load)"]
+            "(on this machine and load)")
+    # the median chunk's wall time per row (a chunk's rows share one `batch_seconds`) over this run's
+    # chunks, times the rows to go: one paused (SIGSTOP) or loaded chunk does not move it, as it moves the
+    # pace from the run's start; the configurations' unlike speeds are mixed in it, so it is rough too
+    chunks: dict[tuple, int] = Counter((r["config"], r["batch_seconds"]) for r in latest
+                                       if is_score(r.get("batch_seconds")) and r["batch_seconds"] > 0)
+    if len(chunks) >= 3:
+        per_row = statistics.median(seconds / n for (_, seconds), n in chunks.items())
+        note += (f"; at the median chunk's {per_row:.1f} s a row ({len(chunks)} chunks of this run, all "
+                 f"configurations; not moved by a paused or loaded chunk) about "
+                 f"{(total - done) * per_row / 3600:.1f} h")
+    return [note]
 
 
 def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
