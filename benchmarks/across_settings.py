@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from verispec.evaluation import comparisons, stats
+from verispec.evaluation.report import planned_problems
 from verispec.evaluation.store import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +41,20 @@ def gate_holm_p(sweep: str, problems: int | None) -> tuple[float, float, int]:
     """(the gate's estimate, its Holm p over the sweep's declared family, the problems paired) on the
     sweep's rows (the first `problems` problems when given)."""
     directory = REPO / "benchmarks" / "sweeps" / sweep
-    declared = json.loads((directory / "sweep.json").read_text())["compare"]
+    settings = json.loads((directory / "sweep.json").read_text())
+    declared = settings["compare"]
     rows = read_rows(directory / "results.jsonl")
     if problems is not None:
         rows = [r for r in rows if r["prompt_index"] < problems]
-    family = [c for text in declared for c in comparisons.compare(rows, *comparisons.parse_comparison(text))]
+    family = list({(c.config_a, c.config_b): c for text in declared
+                   for c in comparisons.compare(rows, *comparisons.parse_comparison(text))}.values())
+    if settings.get("sequential"):  # Holm over every declared comparison is the report's only if none
+        kind, looks = stats.parse_sequential(settings["sequential"])  # was carried from an earlier look
+        planned = planned_problems(settings)
+        now = comparisons.planned_look(max(c.pooled.clusters for c in family), planned, looks)
+        if comparisons.earlier_rejections(rows, declared, kind, looks, planned, now):
+            raise ValueError(f"{sweep}: a comparison was rejected at an earlier look; read its Holm p from "
+                             "the report (Holm over the open comparisons)")
     adjusted = stats.holm([c.pooled.p_value for c in family])
     for c, p in zip(family, adjusted):
         if c.config_a.startswith("speccascade:min_p=0.1") and c.config_b.startswith("honest:speccascade"):

@@ -9,9 +9,11 @@ from git and the rows themselves, not from the prose that says so:
   run's first chunk could have finished: a chunk's rows are written together when the chunk is done
   (`units.decode_rows`), so a run's first row lands no earlier than its start plus that chunk's wall
   time (`batch_seconds`, model loading not counted: a lower bound);
-- each later commit to PLAN.md (an amendment): its time, its subject, how many of the sweep's decoded
-  rows came from runs that had started by then (an upper bound on the rows that could have been seen),
-  and how many rows the repository held at that commit.
+- each later commit to PLAN.md (an amendment): its time, its subject, an upper bound on the rows that
+  could have been seen (rows of runs started by then, of unknown start, and copied rows), and how many
+  rows the repository held at that commit;
+- a copy-only sweep (every row copied with --reuse-from) declares a reading of rows decoded before it:
+  its verdict says so, and how many of them came from runs started before the plan.
 
 A hostile reader checks the claims "declared before decoding" and "amended before look N" here instead
 of trusting them. Clocks are the machines' (committer time and the run id's UTC time, both from the
@@ -47,6 +49,21 @@ def run_start(run: str) -> datetime | None:
     another form."""
     started = run_started(run) if isinstance(run, str) else None
     return None if started is None else datetime.fromtimestamp(started, tz=timezone.utc)
+
+
+def copied_runs(results: Path) -> dict[str, int]:
+    """Source run id -> rows the sweep copied from it (--reuse-from; a copied row keeps its run)."""
+    runs: dict[str, int] = {}
+    if results.exists():
+        with results.open(encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and "reused_from" in row:
+                    runs[row.get("run") or ""] = runs.get(row.get("run") or "", 0) + 1
+    return runs
 
 
 def decoded_runs(results: Path) -> dict[str, tuple[int, float | None]]:
@@ -94,12 +111,20 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
     runs = {run: count for run, (count, _) in decoded_runs(results).items()}
     first_chunk = {run: seconds for run, (_, seconds) in decoded_runs(results).items()}
     starts = {run: run_start(run) for run in runs}
-    lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"]
+    copied = copied_runs(results)
+    lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"
+             + (f", {sum(copied.values())} copied" if copied else "")
+             + ("" if results.exists() else " (no results.jsonl)")]
     if not commits:
         return "not committed", lines + [f"  {declaration} has no commit"]
     first, sha, subject = commits[0]
     lines.append(f"  declared {first:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:80]})")
-    if not runs:
+    if not runs and copied:
+        before = sum(n for r, n in copied.items() if run_start(r) is None or run_start(r) <= first)
+        verdict = "copy-only"
+        lines.append(f"  {before} of its {sum(copied.values())} copied row(s) come from runs started before "
+                     "this plan (or of unknown start): it declares a reading of rows that existed already")
+    elif not runs:
         verdict = "nothing decoded"
     elif any(start is None for start in starts.values()):
         verdict = "runs of unknown start"
@@ -120,10 +145,13 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
         else:
             verdict = f"{declaration} committed after rows may have been written"
     for when, sha, subject in commits[1:]:
-        seen = sum(n for r, n in runs.items() if starts[r] is not None and starts[r] <= when)
+        # an upper bound on the rows that could have been seen: runs started by then, copied rows, rows
+        # of unknown start
+        seen = (sum(n for r, n in runs.items() if starts[r] is None or starts[r] <= when)
+                + sum(copied.values()))
         lines.append(f"  amended {when:%Y-%m-%d %H:%M:%S} UTC ({sha[:7]}: {subject[:60]}): "
-                     f"{seen} decoded row(s) from runs started by then; {rows_at(sha, results)} row(s) "
-                     "committed at that commit")
+                     f"at most {seen} row(s) could have been seen (runs started by then, copied rows); "
+                     f"{rows_at(sha, results)} row(s) committed at that commit")
     return verdict, lines
 
 
@@ -138,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if git("rev-parse", "--is-shallow-repository").strip() == "true":
         print("a shallow clone: the plans' first commits are not all here (git fetch --unshallow)")
         return 2
-    bad = 0
+    bad, verdicts = 0, []
     for sweep in sweeps:
         if not (sweep / "PLAN.md").is_file():
             print(f"{sweep}: no PLAN.md")
@@ -146,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         verdict, lines = check(sweep)
         print("\n".join(lines) + f"\n  -> {verdict}")
+        verdicts.append(verdict)
         bad += verdict not in ("declared before decoding", "declared before any row was written",
-                               "nothing decoded")
-    print(f"\n{len(sweeps) - bad} of {len(sweeps)} plan(s) committed before any row of theirs was written")
+                               "nothing decoded", "copy-only")
+    decoding = sum(v in ("declared before decoding", "declared before any row was written") for v in verdicts)
+    print(f"\n{decoding} of {decoding + bad} plan(s) whose sweep decodes committed before any row of theirs "
+          f"was written; {verdicts.count('copy-only')} copy-only (a declared reading of rows decoded "
+          "before), "
+          f"{verdicts.count('nothing decoded')} with nothing decoded yet")
     if not args.sweeps:
         # studies declared only by their sweep.json (`--compare`, `--sequential`): the first run writes it
         # before any row and `--resume` refuses other settings, so the declaration is fixed from the first

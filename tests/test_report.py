@@ -366,14 +366,24 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     # with chunk times (a chunk's rows share its wall time): plain's chunks of 15 rows took 60 and 50 s
     # (4 and 3.33 s a row), lossless's 90 s and, paused by SIGSTOP for 20 minutes, 1290 s (6 and 86 s a
     # row): median 5 s a row, 339 rows to go; the pace from the run's start (2 a minute) counts the pause
-    timed = [dict(r, batch_seconds=(60.0, 50.0, 90.0, 1290.0)[(r["config"] != "plain T=1") * 2
-                                                              + (int(r["prompt_id"]) >= 15)])
+    timed = [dict(r, chunk_size=15, batch_seconds=(60.0, 50.0, 90.0, 1290.0)[(r["config"] != "plain T=1") * 2
+                                                                             + (int(r["prompt_id"]) >= 15)])
              if "reused_from" not in r else r for r in rows]
+    # a copied row with a chunk time of its own, a row of another run and rows without a usable time are
+    # not this run's chunks
+    timed += [dict(rows[-1], batch_seconds=1.0, chunk_size=1, prompt_id="98"),
+              {"config": "plain T=1", "prompt_id": "97", "seed": 0, "run": "20261205T140000Z-000000",
+               "batch_seconds": 1.0, "chunk_size": 1},
+              {"config": "plain T=1", "prompt_id": "96", "seed": 0, "run": "20261205T150000Z-abcdef",
+               "batch_seconds": float("nan")},
+              {"config": "plain T=1", "prompt_id": "95", "seed": 0, "run": "20261205T150000Z-abcdef",
+               "batch_seconds": 0.0}]
     (note,) = pace_note(timed, 100, 2, start + 30 * 60)
-    assert "the other 339 rows take about 2.8 h at that pace" in note
-    assert note.endswith(f"at the median chunk's 5.0 s a row (4 chunks of this run, all configurations; not "
-                         f"moved by a paused or loaded chunk) about {339 * 5 / 3600:.1f} h")
-    plain_only = [r for r in timed if r["config"] == "plain T=1"]  # two timed chunks: too few for a median
+    assert "the other 335 rows take about" in note
+    assert note.endswith("at the median chunk's 5.0 s a row (4 chunks of this run, all configurations; not "
+                         "moved by a paused or loaded chunk, but low when some chunks are slow for real) "
+                         f"about {335 * 5 / 3600:.1f} h")
+    plain_only = [r for r in timed[:61] if r["config"] == "plain T=1"]  # two timed chunks: too few
     assert "median chunk" not in pace_note(plain_only, 100, 2, start + 30 * 60)[0]
     assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
                                                    "problems x 2 seed(s))"]  # under a minute: no pace

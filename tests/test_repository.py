@@ -81,7 +81,11 @@ def test_every_plan_was_committed_before_its_rows_were_written(tmp_path, capsys)
         pytest.skip("not a full git clone: the plans' first commits are not all here")
     assert check_plans.main([]) == 0
     plans, only_json = capsys.readouterr().out.split("declare comparisons only in their sweep.json")
-    assert "-> PLAN.md committed after" not in plans and "13 of 13 plan(s)" in plans
+    assert "-> PLAN.md committed after" not in plans and "runs of unknown start" not in plans
+    assert re.search(r"\n(\d+) of \1 plan\(s\) whose sweep decodes committed before any row", plans)
+    # a copy-only sweep declares a reading of rows decoded before it, and says so
+    pooled = plans.split("benchmarks/sweeps/qwen-graded-steps-seeds01:")[1].split("->")[1].splitlines()[0]
+    assert pooled.strip() == "copy-only"
     graded = plans.split("benchmarks/sweeps/qwen-graded-steps:")[1].split("->")[1].splitlines()[0]
     assert graded.strip() == "declared before any row was written"
     # the studies declared only in sweep.json are listed with what git shows (not counted): MT-Bench's

@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import math
-import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import mean, median, stdev
@@ -940,16 +939,17 @@ def pace_note(rows: list[dict], planned: int | None, seeds: int, last_write: flo
     note = (f"progress: {text}; the latest run ({runs[-1]}) wrote {rate:.2f} rows a minute from its start "
             f"to the last write, so the other {total - done} rows take about {hours:.1f} h at that pace "
             "(on this machine and load)")
-    # the median chunk's wall time per row (a chunk's rows share one `batch_seconds`) over this run's
-    # chunks, times the rows to go: one paused (SIGSTOP) or loaded chunk does not move it, as it moves the
-    # pace from the run's start; the configurations' unlike speeds are mixed in it, so it is rough too
-    chunks: dict[tuple, int] = Counter((r["config"], r["batch_seconds"]) for r in latest
-                                       if is_score(r.get("batch_seconds")) and r["batch_seconds"] > 0)
+    # the median chunk's wall time per row (`row_seconds`: its `batch_seconds` over its `chunk_size`; a
+    # chunk's rows share both) over this run's chunks, times the rows to go: one paused (SIGSTOP) or
+    # loaded chunk does not move it, as it moves the pace from the run's start; but it mixes the
+    # configurations' unlike speeds and leans low when a few chunks are slow for real
+    chunks = {(r["config"], r["batch_seconds"]): row_seconds(r) for r in latest
+              if is_score(r.get("batch_seconds")) and r["batch_seconds"] > 0}
     if len(chunks) >= 3:
-        per_row = statistics.median(seconds / n for (_, seconds), n in chunks.items())
+        per_row = median(chunks.values())
         note += (f"; at the median chunk's {per_row:.1f} s a row ({len(chunks)} chunks of this run, all "
-                 f"configurations; not moved by a paused or loaded chunk) about "
-                 f"{(total - done) * per_row / 3600:.1f} h")
+                 f"configurations; not moved by a paused or loaded chunk, but low when some chunks are slow "
+                 f"for real) about {(total - done) * per_row / 3600:.1f} h")
     return [note]
 
 
