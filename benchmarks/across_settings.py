@@ -48,9 +48,9 @@ def gate_holm_p(sweep: str, problems: int | None) -> tuple[float, float, int]:
         rows = [r for r in rows if r["prompt_index"] < problems]
     family = list({(c.config_a, c.config_b): c for text in declared
                    for c in comparisons.compare(rows, *comparisons.parse_comparison(text))}.values())
-    if settings.get("sequential"):  # Holm over every declared comparison is the report's only if none
-        kind, looks = stats.parse_sequential(settings["sequential"])  # was carried from an earlier look
-        planned = planned_problems(settings)
+    planned = planned_problems(settings)
+    if settings.get("sequential") and planned:  # Holm over every declared comparison is the report's
+        kind, looks = stats.parse_sequential(settings["sequential"])  # only if none was carried
         now = comparisons.planned_look(max(c.pooled.clusters for c in family), planned, looks)
         if comparisons.earlier_rejections(rows, declared, kind, looks, planned, now):
             raise ValueError(f"{sweep}: a comparison was rejected at an earlier look; read its Holm p from "

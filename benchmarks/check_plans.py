@@ -103,9 +103,10 @@ def rows_at(sha: str, results: Path) -> int:
 
 
 def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
-    """(a verdict: "declared before decoding", "declared before any row was written", "nothing
-    decoded", "<declaration> committed after rows may have been written", "not committed" or "runs of
-    unknown start"), and the lines that show it; `declaration`: the file whose first commit declares."""
+    """(a verdict: "declared before decoding", "declared before any row was written", "copy-only",
+    "nothing decoded", "<declaration> committed after rows may have been written", "not committed" or
+    "runs of unknown start"), and the lines that show it; `declaration`: the file whose first commit
+    declares."""
     plan, results = sweep / declaration, sweep / "results.jsonl"
     commits = plan_commits(plan)
     runs = {run: count for run, (count, _) in decoded_runs(results).items()}
@@ -123,7 +124,9 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
         before = sum(n for r, n in copied.items() if run_start(r) is None or run_start(r) <= first)
         verdict = "copy-only"
         lines.append(f"  {before} of its {sum(copied.values())} copied row(s) come from runs started before "
-                     "this plan (or of unknown start): it declares a reading of rows that existed already")
+                     "this plan (or of unknown start)"
+                     + (": it declares a reading of rows from runs started before it"
+                        if before == sum(copied.values()) else ""))
     elif not runs:
         verdict = "nothing decoded"
     elif any(start is None for start in starts.values()):

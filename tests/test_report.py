@@ -383,6 +383,10 @@ def test_progress_gives_the_rows_to_go_and_the_latest_runs_pace():
     assert note.endswith("at the median chunk's 5.0 s a row (4 chunks of this run, all configurations; not "
                          "moved by a paused or loaded chunk, but low when some chunks are slow for real) "
                          f"about {335 * 5 / 3600:.1f} h")
+    # a chunk's time is per planned row (chunk_size), not per row present: plain's first chunk read on 5
+    # of its 15 rows still takes 60 / 15 = 4 s a row (per row present, 12: median 9 s, 0.9 h)
+    partial = [r for r in timed if not (r["config"] == "plain T=1" and 5 <= int(r["prompt_id"]) < 15)]
+    assert pace_note(partial, 100, 2, start + 30 * 60)[0].endswith(f"about {345 * 5 / 3600:.1f} h")
     plain_only = [r for r in timed[:61] if r["config"] == "plain T=1"]  # two timed chunks: too few
     assert "median chunk" not in pace_note(plain_only, 100, 2, start + 30 * 60)[0]
     assert pace_note(rows, 100, 2, start + 30) == ["progress: 61 of 400 rows (2 configurations x 100 "
