@@ -109,8 +109,9 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
     declares."""
     plan, results = sweep / declaration, sweep / "results.jsonl"
     commits = plan_commits(plan)
-    runs = {run: count for run, (count, _) in decoded_runs(results).items()}
-    first_chunk = {run: seconds for run, (_, seconds) in decoded_runs(results).items()}
+    decoded = decoded_runs(results)  # read once: a sweep's rows are tens of MB
+    runs = {run: count for run, (count, _) in decoded.items()}
+    first_chunk = {run: seconds for run, (_, seconds) in decoded.items()}
     starts = {run: run_start(run) for run in runs}
     copied = copied_runs(results)
     lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"
