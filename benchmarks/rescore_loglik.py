@@ -12,12 +12,14 @@ The same pass gives a check of when replies end. At each position t of a reply t
 probability of a stop token, P_t; a sampler of the target's own law (plain sampling at T = 1 without
 truncation, and lossless SD) emits a stop with exactly that probability, so the stops a reply emits
 minus the sum of its P_t has mean 0 (a martingale stopped at the reply's end, optional stopping). The
-script prints that residual per configuration with its 95% interval: for plain and lossless rows it is 0
-up to chance, and a rule that ends replies too late (or too early) reads below (above) 0. For lossy
-rules it need not be 0.
+script prints that residual per configuration with its 95% interval, clustered by question: for plain
+and lossless rows it is 0 up to chance, and a rule that ends replies too late (or too early) reads below
+(above) 0. For lossy rules it need not be 0.
 
     python benchmarks/rescore_loglik.py benchmarks/sweeps/qwen-mtbench --every 3
     python benchmarks/rescore_loglik.py benchmarks/sweeps/qwen-mtbench --every 2 \
+        --configs "plain T=1" "lossless k=4 T=1"
+    python benchmarks/rescore_loglik.py benchmarks/sweeps/qwen-mtbench-seeds --every 2 --offset 1 \
         --configs "plain T=1" "lossless k=4 T=1"
 """
 
@@ -50,16 +52,26 @@ def teacher_forced(fresh: FreshPass, row: dict, stops: list[int]) -> tuple[float
     return emitted.mean().item(), stop_residual(log_probs, reply, stops)
 
 
-def residual_line(config: str, values: list[float]) -> str:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return f"  {config}: {n} row, stop residual {mean:+.3f}"
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-    half = stats.t_quantile(0.975, n - 1) * se
-    p = stats.t_two_sided_p(mean / se, n - 1) if se > 0 else math.nan
-    return (f"  {config}: {n} rows, stop residual {mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}] "
-            f"p {p:.3g}")
+def residual_line(config: str, points: list[tuple[str, float]]) -> str:
+    """One configuration's stop residual from (question, residual) points: the mean with its 95% interval
+    and p clustered by question (`stats.clustered_mean`; a question's seeds share its prompt, so they are
+    not independent draws of the residual's spread)."""
+    e = stats.clustered_mean(points)
+    if math.isnan(e.p_value):
+        return f"  {config}: {e.units} row(s), {e.clusters} question(s), stop residual {e.estimate:+.3f}"
+    return (f"  {config}: {e.units} rows, {e.clusters} questions, stop residual {e.estimate:+.3f} "
+            f"[{e.low:+.3f}, {e.high:+.3f}] p {e.p_value:.3g}")
+
+
+def chosen(rows: list[dict], every: int, offset: int = 0, configs: list[str] | None = None) -> list[dict]:
+    """The rows to re-score: scored by the target's log-likelihood, with a reply, on the questions whose
+    index is `offset` modulo `every` (so every configuration on a question is kept and the comparisons
+    stay paired), of the named configurations (all when None)."""
+    if every < 1 or not 0 <= offset < every:
+        raise ValueError(f"need every >= 1 and 0 <= offset < every, got every={every}, offset={offset}")
+    return [r for r in rows if r.get("score_name") == TARGET_LOGLIK and isinstance(r.get("score"), float)
+            and r["token_ids"] and r["prompt_index"] % every == offset
+            and (not configs or r["config"] in configs)]
 
 
 def main() -> None:
@@ -71,17 +83,18 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1,
                         help="re-score the questions whose index is a multiple of N, every configuration "
                              "on them (so each comparison stays paired); 1: all rows")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="with --every N: the questions whose index is this modulo N instead (0 to N-1; "
+                             "--every 2 --offset 1: the odd ones)")
     args = parser.parse_args()
-    if args.every < 1:
-        parser.error(f"--every must be a positive integer, got {args.every}")
+    if args.every < 1 or not 0 <= args.offset < args.every:
+        parser.error(f"need --every >= 1 and 0 <= --offset < --every, got {args.every} and {args.offset}")
     settings = json.loads((Path(args.sweep) / "sweep.json").read_text())
     fresh = FreshPass(args.sweep)
     if backend_of(fresh.target) != settings.get("backend"):
         raise SystemExit(f"the target loaded on the {backend_of(fresh.target)} backend, the sweep ran on "
                          f"{settings.get('backend')}: set VERISPEC_BACKEND to match")
-    rows = [r for r in fresh.rows if r.get("score_name") == TARGET_LOGLIK
-            and isinstance(r.get("score"), float) and r["token_ids"] and r["prompt_index"] % args.every == 0
-            and (not args.configs or r["config"] in args.configs)]
+    rows = chosen(fresh.rows, args.every, args.offset, args.configs)
     if not rows:
         raise SystemExit(f"{args.sweep}: no rows scored by {TARGET_LOGLIK} to re-score")
     stops = sorted(stop_ids(fresh.target))
@@ -93,8 +106,8 @@ def main() -> None:
     if bad:
         raise SystemExit(f"{len(bad)} rows re-scored to a non-finite value: {bad[:5]}")
     diffs = [abs(again[r["unit"]] - r["score"]) for r in rows]
-    print(f"re-scored {len(rows)} rows ({len({r['prompt_id'] for r in rows})} questions, index a multiple "
-          f"of {args.every}) in {seconds:.0f} s: |row score - re-scored| max {max(diffs):.2g}, "
+    print(f"re-scored {len(rows)} rows ({len({r['prompt_id'] for r in rows})} questions, index {args.offset} "
+          f"modulo {args.every}) in {seconds:.0f} s: |row score - re-scored| max {max(diffs):.2g}, "
           f"mean {sum(diffs) / len(diffs):.2g}")
     rescored = [dict(r, score=again[r["unit"]]) for r in rows]
     for text in settings.get("compare") or []:
@@ -107,7 +120,8 @@ def main() -> None:
     print(f"stop residual (stop tokens emitted - sum of P(stop) over the reply's positions, stop ids "
           f"{stops}; mean 0 for samplers of the target's law: plain and lossless at T = 1, no truncation):")
     for config in dict.fromkeys(r["config"] for r in rows):
-        print(residual_line(config, [passes[r["unit"]][1] for r in rows if r["config"] == config]))
+        print(residual_line(config, [(r["prompt_id"], passes[r["unit"]][1]) for r in rows
+                                     if r["config"] == config]))
 
 
 if __name__ == "__main__":

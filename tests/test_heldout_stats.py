@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 from helpers import REPO, diff_rows, load_benchmark
 
 from verispec.evaluation import comparisons, stats
@@ -155,3 +156,31 @@ def test_across_settings_reproduces_the_readmes_bonferroni_figures(capsys):
         across.gate_holm_p("qwen-mtbench", None)
     readme = (REPO / "README.md").read_text()
     assert "0.0145 to 0.058" in readme and "0.026 to 0.106" in readme and "2.3e-5 to 9.3e-5" in readme
+
+
+def test_rescore_loglik_picks_questions_by_residue_and_clusters_the_stop_residual_by_question():
+    """benchmarks/rescore_loglik.py: --every N --offset R keeps every configuration on the questions whose
+    index is R modulo N (the comparisons stay paired; --offset 1 gives the rows --every 2 left out), and
+    the stop residual's interval is clustered by question: with one row a question it is the one-sample
+    t interval (scipy), with two seeds of a question sharing its value the rows are not counted twice."""
+    rescore = load_benchmark("rescore_loglik")
+    rows = [{"score_name": "target_loglik", "score": -1.0, "token_ids": [1], "prompt_index": i,
+             "prompt_id": f"q{i}", "config": config, "seed": seed}
+            for i in range(6) for config in ("plain T=1", "lossless k=4 T=1") for seed in (1, 2)]
+    rows.append(dict(rows[0], score=None))  # not scored: never re-scored
+    even, odd = rescore.chosen(rows, 2), rescore.chosen(rows, 2, 1)
+    assert {r["prompt_index"] for r in even} == {0, 2, 4} and {r["prompt_index"] for r in odd} == {1, 3, 5}
+    assert len(even) + len(odd) == 24 and len(rescore.chosen(rows, 2, 1, ["plain T=1"])) == 6
+    for every, offset in ((0, 0), (2, 2), (2, -1)):
+        with pytest.raises(ValueError, match="offset"):
+            rescore.chosen(rows, every, offset)
+    values = [0.3, -0.2, 0.5, 0.1, -0.4, 0.25]
+    one = rescore.residual_line("lossless", [(f"q{i}", v) for i, v in enumerate(values)])
+    t = scipy_stats.ttest_1samp(values, 0.0)
+    low, high = t.confidence_interval()
+    assert one == (f"  lossless: 6 rows, 6 questions, stop residual {np.mean(values):+.3f} "
+                   f"[{low:+.3f}, {high:+.3f}] p {t.pvalue:.3g}")
+    twice = rescore.residual_line("lossless", [(f"q{i}", v) for i, v in enumerate(values) for _ in (1, 2)])
+    assert twice.replace("12 rows", "6 rows") == one  # a question's two equal rows: same interval, same p
+    single = "  plain: 1 row(s), 1 question(s), stop residual +0.200"
+    assert rescore.residual_line("plain", [("q0", 0.2)]) == single
