@@ -330,6 +330,24 @@ def test_bench_declares_comparisons_and_the_report_prints_them(tmp_path, capsys)
     assert "comparison" in capsys.readouterr().err and not (bad / "results.jsonl").exists()
 
 
+def test_holm_step_down_by_hand():
+    """comparisons.holm_step_down, the step-down both the report's current look and its retaken looks use:
+    Holm's levels (alpha / (m - j) along ascending p) turned into thresholds by the given function, and
+    rejection in that order until the first p at or over its threshold; a NaN p is kept, with no level."""
+    as_level = lambda _, level: level  # noqa: E731
+    # levels: 0.01 -> 0.05/3, 0.03 -> 0.05/2, 0.04 -> 0.05; 0.03 >= 0.025 stops it, so 0.04 is kept too
+    assert comparisons.holm_step_down([0.01, 0.04, 0.03], as_level) == [
+        (pytest.approx(0.05 / 3), True), (0.05, False), (0.025, False)]
+    assert comparisons.holm_step_down([0.01, 0.04, 0.02], as_level) == [
+        (pytest.approx(0.05 / 3), True), (0.05, True), (0.025, True)]
+    halved = comparisons.holm_step_down([0.02, math.nan], lambda i, level: level / 2)
+    assert halved[0] == (0.025, True) and math.isnan(halved[1][0]) and halved[1][1] is False
+    # the function sees each hypothesis's own index (the report gives each its own look)
+    seen = []
+    comparisons.holm_step_down([0.3, 0.001], lambda i, level: seen.append((i, level)) or 1.0)
+    assert seen == [(1, 0.025), (0, 0.05)]
+
+
 def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     """obf:2 over 40 problems (looks at 20 and 40). cos loses clearly on problems 0-19 and gains as much on
     20-39: rejected at look 1 (Holm's first level, 0.025, at look 1), though over all 40 its p is large.

@@ -307,13 +307,29 @@ def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: 
         family = [k for k in keys if k not in rejected]
         p_values = [at[k].pooled.p_value if k in at and not math.isnan(at[k].pooled.p_value) else 1.0
                     for k in family]
-        levels = stats.holm_levels(p_values, ALPHA)
-        for i in sorted(range(len(family)), key=lambda i: p_values[i]):
-            threshold = stats.sequential_threshold(kind, looks, look, levels[i])
-            if not p_values[i] < threshold:
-                break  # Holm's step-down stops at the first comparison it keeps
-            rejected[family[i]] = (look, threshold, at[family[i]].pooled.clusters)
+        steps = holm_step_down(p_values, lambda _, level: stats.sequential_threshold(kind, looks, look,
+                                                                                      level))
+        for key, (threshold, reject) in zip(family, steps):
+            if reject:
+                rejected[key] = (look, threshold, at[key].pooled.clusters)
     return rejected
+
+
+def holm_step_down(p_values: list[float],
+                   threshold: Callable[[int, float], float]) -> list[tuple[float, bool]]:
+    """Holm's step-down (Holm 1979) with each level turned into a threshold: for the hypothesis i at Holm
+    level alpha / (m - j) (`stats.holm_levels`, the j-th smallest p), its threshold is `threshold(i,
+    level)` (a group-sequential design's nominal threshold for that level, or the level itself), and
+    hypotheses are rejected in ascending order of p while p < threshold; the first kept stops it. A NaN p
+    gets a NaN threshold and is kept (it does not count in m). -> [(threshold, rejected)] per hypothesis."""
+    levels = stats.holm_levels(p_values, ALPHA)
+    out = [(math.nan, False)] * len(p_values)
+    rejecting = True
+    for i in sorted(range(len(p_values)), key=lambda i: (math.isnan(p_values[i]), p_values[i])):
+        at = threshold(i, levels[i]) if not math.isnan(levels[i]) else math.nan
+        rejecting = rejecting and p_values[i] < at
+        out[i] = (at, rejecting)
+    return out
 
 
 def comparisons_table(rows: list[dict], declared: list[str], sequential: str | None = None,
@@ -353,31 +369,28 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     is_open = [(c.config_a, c.config_b) not in carried for c in planned]
     # Holm's adjusted p and levels over the comparisons still open (one rejected at an earlier look left
     # the family: its row shows that look's threshold and no Holm p)
-    open_p = [c.pooled.p_value for c, o in zip(planned, is_open) if o]
+    open_planned = [c for c, o in zip(planned, is_open) if o]
+    open_p = [c.pooled.p_value for c in open_planned]
     open_adjusted = iter([min(1.0, p * looks_taken) for p in stats.holm(open_p)])
-    open_levels = iter(stats.holm_levels(open_p, ALPHA))
     adjusted = [next(open_adjusted) if o else math.nan for o in is_open]
-    levels = [next(open_levels) if o else math.nan for o in is_open]
+
+    def threshold_at(i: int, level: float) -> float:  # at the open comparison i's own look
+        look = planned_look(open_planned[i].pooled.clusters, planned_clusters, looks)
+        return stats.sequential_threshold(kind, looks, look, level) / looks_taken
+
+    open_steps = iter(holm_step_down(open_p, threshold_at))
     seeds = sorted({s for c in family for s in c.per_seed})
     head = ["comparison (A - B)", "problems", *[f"seed {s}" for s in seeds], "pooled [95% CI]", "p",
             "Holm p", "threshold", "decision", "MDE", "from cap-hit pairs"]
     body = []
-    rejecting = True  # Holm's step-down stops at the first hypothesis it keeps
-    order = sorted(range(len(planned)), key=lambda i: (math.isnan(planned[i].pooled.p_value),
-                                                       planned[i].pooled.p_value))
     decisions: dict[int, tuple[float, str]] = {}
-    for i in order:
-        c = planned[i]
+    for i, c in enumerate(planned):
         if not is_open[i]:
             look, threshold, paired = carried[(c.config_a, c.config_b)]
             decisions[i] = (threshold, f"rejected at look {look} (retaken, {paired} problems)")
-            continue
-        look = planned_look(c.pooled.clusters, planned_clusters, looks)
-        threshold = (stats.sequential_threshold(kind, looks, look, levels[i]) / looks_taken
-                     if not math.isnan(levels[i]) else math.nan)
-        reject = rejecting and c.pooled.p_value < threshold
-        rejecting = reject
-        decisions[i] = (threshold, "reject" if reject else "keep")
+        else:
+            threshold, reject = next(open_steps)
+            decisions[i] = (threshold, "reject" if reject else "keep")
     for i, c in enumerate(family):
         per_seed = [_interval(c.per_seed[s]) if s in c.per_seed else "-" for s in seeds]
         if c.planned:
