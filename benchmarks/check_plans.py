@@ -51,38 +51,30 @@ def run_start(run: str) -> datetime | None:
     return None if started is None else datetime.fromtimestamp(started, tz=timezone.utc)
 
 
-def copied_runs(results: Path) -> dict[str, int]:
-    """Source run id -> rows the sweep copied from it (--reuse-from; a copied row keeps its run)."""
-    runs: dict[str, int] = {}
-    if results.exists():
-        with results.open(encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict) and "reused_from" in row:
-                    runs[row.get("run") or ""] = runs.get(row.get("run") or "", 0) + 1
-    return runs
-
-
-def decoded_runs(results: Path) -> dict[str, tuple[int, float | None]]:
-    """Run id -> (rows the sweep decoded itself in that run, the wall seconds of the run's first chunk:
-    its first row's `batch_seconds`, None where absent); "" for rows with no run id."""
-    runs: dict[str, tuple[int, float | None]] = {}
+def runs_in(results: Path) -> tuple[dict[str, tuple[int, float | None]], dict[str, int]]:
+    """One pass over a sweep's rows -> (decoded, copied): decoded maps a run id to (rows the sweep decoded
+    itself in that run, the wall seconds of the run's first chunk: its first row's `batch_seconds`, None
+    where absent); copied maps a source run id to the rows the sweep copied from it (--reuse-from; a
+    copied row keeps its run). "" stands for rows with no run id; a row cut mid-write counts in neither."""
+    decoded: dict[str, tuple[int, float | None]] = {}
+    copied: dict[str, int] = {}
     if not results.exists():
-        return runs
+        return decoded, copied
     with results.open(encoding="utf-8") as f:
         for line in f:
             try:
                 row = json.loads(line)
             except ValueError:
-                continue  # a row cut mid-write: not a decoded row
-            if isinstance(row, dict) and "reused_from" not in row:
-                run = row.get("run") or ""
-                count, first = runs.get(run, (0, row.get("batch_seconds")))
-                runs[run] = (count + 1, first)
-    return runs
+                continue
+            if not isinstance(row, dict):
+                continue
+            run = row.get("run") or ""
+            if "reused_from" in row:
+                copied[run] = copied.get(run, 0) + 1
+            else:
+                count, first = decoded.get(run, (0, row.get("batch_seconds")))
+                decoded[run] = (count + 1, first)
+    return decoded, copied
 
 
 def plan_commits(plan: Path) -> list[tuple[datetime, str, str]]:
@@ -109,11 +101,10 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
     declares."""
     plan, results = sweep / declaration, sweep / "results.jsonl"
     commits = plan_commits(plan)
-    decoded = decoded_runs(results)  # read once: a sweep's rows are tens of MB
+    decoded, copied = runs_in(results)  # read once: a sweep's rows are tens of MB
     runs = {run: count for run, (count, _) in decoded.items()}
     first_chunk = {run: seconds for run, (_, seconds) in decoded.items()}
     starts = {run: run_start(run) for run in runs}
-    copied = copied_runs(results)
     lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"
              + (f", {sum(copied.values())} copied" if copied else "")
              + ("" if results.exists() else " (no results.jsonl)")]

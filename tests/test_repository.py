@@ -64,10 +64,11 @@ def test_every_plan_was_committed_before_its_rows_were_written(tmp_path, capsys)
         {"run": "20261206T084429Z-a", "batch_seconds": 90.0},
         {"run": "20261206T084429Z-a", "batch_seconds": 5.0},
         {"run": "20261206T090000Z-b", "reused_from": "elsewhere"}, {"batch_seconds": 1.0}]) + '\n{"cut')
-    assert check_plans.decoded_runs(results) == {"20261206T084429Z-a": (2, 90.0), "": (1, 1.0)}
+    assert check_plans.runs_in(results) == ({"20261206T084429Z-a": (2, 90.0), "": (1, 1.0)},
+                                            {"20261206T090000Z-b": 1})
     # the verdicts, on a run that began 08:44:29 whose first chunk took 90 s
     fake = check_plans.REPO / "benchmarks" / "sweeps" / "fake"
-    check_plans.decoded_runs = lambda _: {"20261206T084429Z-a": (2, 90.0)}
+    check_plans.runs_in = lambda _: ({"20261206T084429Z-a": (2, 90.0)}, {})
     for committed, verdict in (("08:44:00", "declared before decoding"),
                                ("08:45:30", "declared before any row was written"),
                                ("08:46:30", "PLAN.md committed after rows may have been written")):
