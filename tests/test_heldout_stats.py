@@ -188,3 +188,38 @@ def test_rescore_loglik_picks_questions_by_residue_and_clusters_the_stop_residua
     assert twice.replace("12 rows", "6 rows") == one  # a question's two equal rows: same interval, same p
     single = "  plain: 1 row(s), 1 question(s), stop residual +0.200"
     assert rescore.residual_line("plain", [("q0", 0.2)]) == single
+
+
+def test_across_settings_takes_holm_over_the_open_comparisons_only_if_a_carry_holds_at_its_level(
+        tmp_path, monkeypatch):
+    """across_settings.gate_holm_p on an obf:2 sweep of 40 problems where cos was rejected at look 1: the
+    gate's Holm p at look 2 is over the comparisons still open (the gate alone here: its raw p), as the
+    report's; a correction strict enough that cos's look-1 rejection would not hold there is refused,
+    and so is a gate that was itself rejected at look 1."""
+    across = load_benchmark("across_settings")
+    noise = [0.1 * ((7 * i) % 5 - 2) for i in range(40)]
+    gate = "speccascade:min_p=0.1,resample=target"
+    rows = diff_rows({"cos:w=0.9": [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)],
+                      gate: [-0.12 + 0.5 * ((3 * i) % 7 - 3) / 3 for i in range(40)],
+                      f"honest:{gate}": [0.0] * 40})
+    sweep = tmp_path / "benchmarks" / "sweeps" / "fake"
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps({"compare": [across.GATE, "cos:w=0.9 vs lossless"],
+                                                  "sequential": "obf:2", "limit": 40}))
+    (sweep / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(across, "REPO", tmp_path)
+    estimate, holm_p, paired = across.gate_holm_p("fake", None)
+    gate_alone = comparisons.compare(rows, *comparisons.parse_comparison(across.GATE))[0].pooled
+    assert (estimate, holm_p, paired) == (gate_alone.estimate, gate_alone.p_value, 40)
+    monkeypatch.setattr(across, "N_SETTINGS", 10**12)
+    with pytest.raises(ValueError, match="would not be rejected there"):
+        across.gate_holm_p("fake", None)
+    monkeypatch.setattr(across, "N_SETTINGS", 5)
+    (sweep / "sweep.json").write_text(json.dumps({"compare": [across.GATE], "sequential": "obf:2",
+                                                  "limit": 40}))
+    # the gate now loses clearly on problems 0-19 (rejected at look 1) and gains on 20-39
+    gate_first = diff_rows({gate: [(-1.0 if i < 20 else 1.0) + noise[i] for i in range(40)],
+                            f"honest:{gate}": [0.0] * 40})
+    (sweep / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gate_first))
+    with pytest.raises(ValueError, match="the gate was rejected at an earlier look"):
+        across.gate_holm_p("fake", None)
