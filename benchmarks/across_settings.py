@@ -75,12 +75,7 @@ def gate_holm_p(sweep: str, problems: int | None) -> tuple[float, float, int]:
         if any(_is_gate(c) for c in family if (c.config_a, c.config_b) in carried):
             raise ValueError(f"{sweep}: the gate was rejected at an earlier look; read it on that look's "
                              "problems")
-        counts = comparisons.look_counts(looks, planned)
-        for (a, b), (look, _, _) in carried.items():
-            prefix = [r for r in rows if r["prompt_index"] < counts[look - 1]]
-            p_then = next(c.pooled.p_value for text in declared
-                          for c in comparisons.compare(prefix, *comparisons.parse_comparison(text))
-                          if (c.config_a, c.config_b) == (a, b))
+        for (a, b), (look, _, _, p_then) in carried.items():
             strict = stats.sequential_threshold(kind, looks, look, ALPHA / N_SETTINGS / len(family))
             if not p_then < strict:
                 raise ValueError(f"{sweep}: {a} - {b}, carried from look {look} (p {p_then:.3g}), would not "

@@ -100,9 +100,11 @@ def test_heldout_carry_matches_the_reports_earlier_rejections(capsys):
     keys = [("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"),
             ("budget:tv=0.1,ratio=2.0 k=4 T=1", "lossless k=4 T=1")]
     theirs = sweep_stats.heldout_earlier_rejections(rows, keys, "obf:3", 60)
-    assert sorted(ours) == sorted(keys) and {look for look, _, _ in ours.values()} == {2}
-    assert {k: (look, threshold) for k, (look, threshold, _) in ours.items()} == {
+    assert sorted(ours) == sorted(keys) and {look for look, _, _, _ in ours.values()} == {2}
+    assert {k: (look, threshold) for k, (look, threshold, _, _) in ours.items()} == {
         k: (look, threshold) for k, (look, _, threshold) in theirs.items()}
+    for k, (_, _, _, p) in ours.items():  # the p each look was decided on, by the report's code and scipy's
+        assert p == pytest.approx(theirs[k][1], rel=1e-6)
     sweep_stats.planned_comparisons(rows, None, declared, "obf:3", 60)
     out = capsys.readouterr().out
     assert out.count("rejected at look") == len(ours) and "Holm p" not in out.split("open):")[1]

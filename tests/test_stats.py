@@ -365,7 +365,7 @@ def test_a_comparison_rejected_at_an_earlier_look_leaves_holms_family():
     first = stats.sequential_threshold("obf", 2, 1, 0.025)
     assert look1[0].pooled.p_value < first < look1[1].pooled.p_value  # cos rejected at look 1, budget kept
     carried = comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=2)
-    assert carried == {("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"): (1, first, 20)}
+    assert carried == {("cos:w=0.9 k=4 T=1", "lossless k=4 T=1"): (1, first, 20, look1[0].pooled.p_value)}
     assert comparisons.earlier_rejections(rows, declared, "obf", 2, 40, now=1) == {}
     full = [comparisons.compare(rows, *comparisons.parse_comparison(d))[0] for d in declared]
     last = stats.sequential_threshold("obf", 2, 2, 0.05)
@@ -426,8 +426,9 @@ def test_earlier_looks_count_an_absent_comparison_and_carry_across_several_looks
     budget_key = ("budget:tv=0.1,ratio=2.0 k=4 T=1", "lossless k=4 T=1")
     assert comparisons.earlier_rejections(rows, declared, "obf", 3, 60, now=2) == {}
     at_3 = comparisons.earlier_rejections(rows, declared, "obf", 3, 60, now=3)
-    assert at_3 == {budget_key: (2, stats.sequential_threshold("obf", 3, 2, 0.025), 20),
-                    cos_key: (2, stats.sequential_threshold("obf", 3, 2, 0.05), 40)}
+    assert {k: v[:3] for k, v in at_3.items()} == {
+        budget_key: (2, stats.sequential_threshold("obf", 3, 2, 0.025), 20),
+        cos_key: (2, stats.sequential_threshold("obf", 3, 2, 0.05), 40)}
     table = comparisons.comparisons_table(rows, declared, "obf:3", 60)
     assert "rejected at look 2 (retaken, 40 problems)" in table
     assert "rejected at look 2 (retaken, 20 problems)" in table

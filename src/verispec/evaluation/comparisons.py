@@ -281,23 +281,23 @@ def _interval(e: stats.PairedEstimate) -> str:
 
 
 def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: int, planned_clusters: int,
-                       now: int) -> dict[tuple[str, str], tuple[int, float, int]]:
-    """The declared comparisons rejected at a look before look `now` of a group-sequential design,
-    {(config A, config B): (look, threshold, paired problems)}: each earlier look is taken again on the
-    suite's first `look_counts` problems (prompt_index below the count) by Holm's step-down over the
-    comparisons still open, at that look's threshold for each Holm level. A comparison rejected at a
-    look stays rejected and leaves the family, its alpha passing to the others (Holm as a graphical
-    procedure under a group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical
-    Research 5(4)). The family at every look is the comparisons the rows have now, less those already
-    rejected: one with no pairs or no p in a look's prefix counts in Holm's m with p = 1 (so it is never
-    rejected there and never raises the others' levels). {} when `now` is 1 or a row has no integer
-    prompt_index (no prefix to take)."""
+                       now: int) -> dict[tuple[str, str], tuple[int, float, int, float]]:
+    """The declared comparisons rejected at a look before look `now` of a group-sequential design, {(config
+    A, config B): (look, threshold, paired problems, p at that look)}: each earlier look is taken again on
+    the suite's first `look_counts` problems (prompt_index below the count) by Holm's step-down over the
+    comparisons still open, at that look's threshold for each Holm level. A comparison rejected at a look
+    stays rejected and leaves the family, its alpha passing to the others (Holm as a graphical procedure
+    under a group-sequential design: Maurer and Bretz 2013, Statistics in Biopharmaceutical Research
+    5(4)). The family at every look is the comparisons the rows have now, less those already rejected: one
+    with no pairs or no p in a look's prefix counts in Holm's m with p = 1 (so it is never rejected there
+    and never raises the others' levels). {} when `now` is 1 or a row has no integer prompt_index (no
+    prefix to take)."""
     if now <= 1 or any(type(r.get("prompt_index")) is not int for r in rows):
         return {}
     keys = list(dict.fromkeys((c.config_a, c.config_b)
                               for text in declared for c in compare(rows, *parse_comparison(text))))
     counts = look_counts(looks, planned_clusters)
-    rejected: dict[tuple[str, str], tuple[int, float, int]] = {}
+    rejected: dict[tuple[str, str], tuple[int, float, int, float]] = {}
     for look in range(1, now):
         prefix = [r for r in rows if r["prompt_index"] < counts[look - 1]]
         at: dict[tuple[str, str], Comparison] = {}
@@ -311,7 +311,7 @@ def earlier_rejections(rows: list[dict], declared: list[str], kind: str, looks: 
                                                                                       level))
         for key, (threshold, reject) in zip(family, steps):
             if reject:
-                rejected[key] = (look, threshold, at[key].pooled.clusters)
+                rejected[key] = (look, threshold, at[key].pooled.clusters, at[key].pooled.p_value)
     return rejected
 
 
@@ -386,7 +386,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     decisions: dict[int, tuple[float, str]] = {}
     for i, c in enumerate(planned):
         if not is_open[i]:
-            look, threshold, paired = carried[(c.config_a, c.config_b)]
+            look, threshold, paired, _ = carried[(c.config_a, c.config_b)]
             decisions[i] = (threshold, f"rejected at look {look} (retaken, {paired} problems)")
         else:
             threshold, reject = next(open_steps)
@@ -442,7 +442,7 @@ def comparisons_table(rows: list[dict], declared: list[str], sequential: str | N
     counts = look_counts(looks, planned_clusters) if carried else []
     notes += "".join(f"\nnote: {a} - {b}: rejected at look {look} retaken on {paired} paired problems, "
                      f"fewer than that look's planned {counts[look - 1]}"
-                     for (a, b), (look, _, paired) in carried.items() if paired < counts[look - 1])
+                     for (a, b), (look, _, paired, _) in carried.items() if paired < counts[look - 1])
     notes += "".join(f"\nnote: {c.config_a} - {c.config_b}: every problem's difference is the same "
                      f"({_fmt(c.pooled.estimate)}), so the t-test has no spread to work with: its p is a "
                      "convention (1 for a zero difference, 0 otherwise) and no MDE is given"
