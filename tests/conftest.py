@@ -32,6 +32,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     configure_threads()
 
 
+# The code sandbox fails closed where bubblewrap cannot start. The tests' own programs are written here, so
+# there they run with the resource limits only (as --unsafe-no-sandbox would), and the tests that run
+# committed model output (`helpers.needs_bwrap`) skip; the fail-closed test removes this itself.
+if os.environ.get("VERISPEC_UNSAFE_NO_SANDBOX") is None:
+    from verispec.evaluation.sandbox import isolation
+
+    if isolation()[0] != "bwrap":
+        os.environ["VERISPEC_UNSAFE_NO_SANDBOX"] = "1"
+
+
+def pytest_report_header(config):
+    from verispec.evaluation.sandbox import isolation
+
+    kind, how = isolation()
+    return [f"code sandbox: {how}" + ("" if kind == "bwrap" else
+                                      " (the tests' own programs run with resource limits only; tests of "
+                                      "committed model output skip)")]
+
+
 _SECONDS = {"quick": 0.0, "slow": 0.0}
 
 

