@@ -32,6 +32,14 @@ def load_benchmark(name: str) -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
+def results_row(unit: str, **extra) -> dict:
+    """A minimal results row that passes `rowcheck.row_problem` (a lossless k = 4 row of 4 tokens)."""
+    return {"schema": 2, "unit": unit, "config": "lossless k=4 T=1", "rule": "lossless", "family": "lossless",
+            "k": 4, "temperature": 1.0, "prompt_id": "p", "seed": 0, "score_name": "score", "score": 1.0,
+            "proposed": 4, "accepted": 3, "tokens": 4, "target_calls": 1, "seconds": 1.0, "log_ratio": 0.0,
+            "target_nll": 1.0, "mean_tv": 0.0, **extra}
+
+
 def diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
     """Rows of one seed on len(diffs[...]) problems in suite order: lossless and plain score 0, each other
     rule `diffs[rule][i]` on problem i (so rule - lossless is exactly that)."""
@@ -41,7 +49,9 @@ def diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
         for rule, score in [("plain", 0.0), ("lossless", 0.0), *((r, d[i]) for r, d in diffs.items())]:
             rows.append({"rule": rule, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "seed": 0,
                          "prompt_id": f"q{i:02d}", "prompt_index": i, "score": score, "finish": "eos",
-                         "unit": f"{rule}|q{i:02d}|0"})
+                         "unit": f"{rule}|q{i:02d}|0", "schema": 2, "family": rule, "score_name": "score",
+                         "config": rule, "proposed": 0, "accepted": 0, "tokens": 4, "target_calls": 4,
+                         "seconds": 1.0, "log_ratio": 0.0, "target_nll": 1.0, "mean_tv": 0.0})
     return rows
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import results_row
 
 from verispec.cli import main
 from verispec.decode import DecodeConfig, speculative_decode
@@ -204,13 +205,13 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_resume_finishes_it(tmp_path, sig, stat
 def test_results_file_repairs_a_partial_line_and_never_duplicates(tmp_path):
     path = tmp_path / "results.jsonl"
     with ResultsFile(path) as store:
-        store.append({"schema": SCHEMA_VERSION, "unit": "a", "x": 1})
-        store.append({"schema": SCHEMA_VERSION, "unit": "a", "x": 2})
+        store.append(results_row("a", x=1, schema=SCHEMA_VERSION))
+        store.append(results_row("a", x=2, schema=SCHEMA_VERSION))
     with open(path, "a") as f:
         f.write(f'{{"schema": {SCHEMA_VERSION}, "unit": "b", "x"')
     with ResultsFile(path) as store:
         assert store.done == {"a"}
-        store.append({"schema": SCHEMA_VERSION, "unit": "b", "x": 3})
+        store.append(results_row("b", x=3, schema=SCHEMA_VERSION))
     assert [r["unit"] for r in read_rows(path)] == ["a", "b"]
     assert path.read_text().count("\n") == 2
     path.write_text('{"schema": 99, "unit": "z"}\n')
@@ -360,7 +361,8 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
             rows.append({
                 "schema": SCHEMA_VERSION, "unit": config + prompt, "config": config, "rule": rule,
                 "family": fam, "k": 0 if rule == "plain" else 4, "temperature": 1.0, "prompt_id": prompt,
-                "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 5, "proposed": 8, "accepted": 5,
+                "seed": 0, "tokens": 10, "seconds": 0.1, "target_calls": 10 if rule == "plain" else 5,
+                "proposed": 8, "accepted": 5,
                 "log_ratio": 0.0 if fam != "collaborative" else 0.4, "mean_tv": 0.1,
                 "target_nll": 3.0, "score": 0.5, "score_name": "distinct_2",
                 "steps": {"role": ["accepted", "recovered"], "tv": [0.1, 0.2], "kl": [0.01, 0.02],

@@ -174,7 +174,8 @@ def report_row(config: str, rule: str, prompt: str, score, extra: dict | None = 
     row = {"schema": 2, "unit": f"{config}/{prompt}", "config": config, "rule": rule,
            "family": "plain" if rule == "plain" else "lossless", "k": 0 if rule == "plain" else 4,
            "temperature": 1.0, "prompt_id": prompt, "seed": 0, "score_name": "exact_match", "score": score,
-           "proposed": 4, "accepted": 2, "tokens": 4, "target_calls": 2, "seconds": 1.0, "log_ratio": 0.0,
+           "proposed": 4, "accepted": 2, "tokens": 4, "target_calls": 4 if rule == "plain" else 2,
+           "seconds": 1.0, "log_ratio": 0.0,
            "target_nll": 1.0, "mean_tv": 0.0,
            "steps": {"tv": [0.0, 0.0], "role": ["accepted", "bonus"], "draft_confidence": [0.9, 0.0],
                      "draft_over_target": [1.0, 0.0]}}
@@ -188,9 +189,10 @@ def test_report_names_rows_without_a_finite_score(tmp_path):
              report_row("lossless k=4 T=1", "lossless", "c", "high")]
     path = write_jsonl(tmp_path / "results.jsonl", [json.dumps(r) for r in rows])
     table, _ = write_report(path)
-    assert "2 row(s) have no finite score" in table
-    assert "lossless k=4 T=1 / b (seed 0): nan" in table and "'high'" in table
-    assert "n=1 of 3" in table
+    assert "1 row(s) have no finite score" in table  # NaN: a missing score, left out and named
+    assert "lossless k=4 T=1 / b (seed 0): nan" in table
+    assert "score 'high' is not a number" in table and "line(s) 6" in table  # a string: an invalid row
+    assert "n=1 of 2" in table
     lossless = [s for s in summarize(rows) if s["config"] == "lossless k=4 T=1"][0]
     assert lossless["scored"] == 1 and lossless["paired_units"] == 1 and lossless["score"] == 1.0
 

@@ -37,7 +37,8 @@ def test_shape_spellings():
     (dict(tree="2", rule="hsd"), "unknown tree rule 'hsd'"),
     (dict(tree="2", draft=None), "needs a draft model"),
     (dict(drafts="n=2", rule="lenience:l=0.5"), "lossy on sampled drafts"),
-    (dict(tree="2", k=0), "k .* must be an integer >= 1"),
+    (dict(drafts="n=2", k=0), "k .* must be an integer >= 1"),
+    (dict(tree="2", k=3), "has its own depth .* leave k out"),
 ])
 def test_generate_refuses_bad_tree_input_before_any_model_loads(kwargs, message):
     """The target names no model: a refusal here happened before any load was tried."""

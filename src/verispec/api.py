@@ -335,7 +335,7 @@ def generate(
     draft=defaults.AUTO_DRAFT,
     rule: str | Rule = defaults.RULE,
     *,
-    k: int = defaults.K,
+    k: int | str | None = None,
     max_new_tokens: int = defaults.MAX_NEW_TOKENS,
     temperature: float = defaults.TEMPERATURE,
     top_k: int | None = None,
@@ -362,6 +362,7 @@ def generate(
 
     draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
+    k: draft tokens per block (default 4); not with a tree shape that fixes its own depth.
     k="auto" measures the pair's pass costs on this machine first (`verispec.speculation.measure_costs`),
     then chooses each row's k per block (0..8) from its acceptance so far and turns speculation off for a
     block where plain decoding is faster at the batch's size; rules and laws are unchanged, each result's
@@ -385,6 +386,10 @@ def generate(
     if shape is not None and k == AUTO_K:
         raise ValueError("k='auto' chooses the length of chain drafts; a tree's shape is fixed by "
                          "tree= / drafts=")
+    if shape is not None and k is not None and shape.depth is not None:
+        raise ValueError(f"k sets the length of chain drafts (and of drafts=n=... chains without a depth); "
+                         f"the draft shape '{shape.spec}' has its own depth ({shape.depth}): leave k out")
+    k = defaults.K if k is None else k
     rule = _check_generate_args(target, draft, rule, k, max_new_tokens,
                                 {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
                                  "eta": eta},

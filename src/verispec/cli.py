@@ -196,6 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
+        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
     )
     if not args.ray:
         for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
@@ -275,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=defaults.BATCH_SIZE,
                      help="rows decoded together with several prompts")
     run.add_argument("--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
-    run.add_argument("--k", type=k_arg, default=defaults.K,
-                     help="draft tokens per block, or auto: chosen per block from measured costs "
-                          "(verispec.speculation)")
+    run.add_argument("--k", type=k_arg, default=None,
+                     help=f"draft tokens per block (default {defaults.K}), or auto: chosen per block from "
+                          "measured costs (verispec.speculation); not with a --tree that fixes its depth")
     shapes = run.add_mutually_exclusive_group()
     shapes.add_argument("--tree", default=None, metavar="WIDTHS",
                         help="draft a token tree per block: static top-k, e.g. --tree widths=4,2,2,1, or "
@@ -422,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-tokens-limit", type=int, default=1024,
                      help="largest max_tokens a request may ask")
     srv.add_argument("--default-max-tokens", type=int, default=64)
+    srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                     help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a client has to send its request body; then 408 (default 30)")
     srv.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
                      help="exact per-token diagnostics (the fidelity half of the report; on by default)")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")

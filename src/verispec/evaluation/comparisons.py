@@ -26,6 +26,14 @@ from verispec.tree_decode import tree_verification_rule
 from verispec.trees import parse_shape
 
 PLAIN = "plain"
+
+
+def exact_number(value: float) -> str:
+    """`value` in its shortest `:g` form when that reads back as exactly `value` (1.0 -> '1', 0.7 ->
+    '0.7': the ids of every sweep written so far), else Python's round-tripping repr (1.0000001 ->
+    '1.0000001', which `:g` wrote as '1' and so merged two temperatures into one unit)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 ALPHA = 0.05
 POWER = 0.8
 
@@ -53,7 +61,7 @@ def canonical_side(text: str) -> str:
         rule = f"{tree_verification_rule(rule, shape).spec} {shape.spec}"
     else:
         rule = PLAIN if rule == PLAIN else parse(rule).spec
-    return rule + (f" k={k}" if k is not None else "") + (f" T={t:g}" if t is not None else "")
+    return rule + (f" k={k}" if k is not None else "") + (f" T={exact_number(t)}" if t is not None else "")
 
 
 def parse_comparison(text: str) -> tuple[str, str]:
@@ -137,10 +145,12 @@ def _matching(units: dict, a: str, b: str) -> list[tuple[tuple, tuple]]:
 
 
 def config_name(key: tuple) -> str:
-    """A `config_key`'s name as comparisons print it (`Comparison.config_a`): the temperature by `:g`."""
+    """A `config_key`'s name as comparisons print it (`Comparison.config_a`): the temperature exactly
+    (`units.exact_number`: 1.0000001 is not printed as 1, which would name another configuration)."""
     rule, k, temperature, tree = key
     shape = f" {tree}" if tree else ""
-    return f"plain T={temperature:g}" if rule == PLAIN else f"{rule}{shape} k={k} T={temperature:g}"
+    t = exact_number(temperature)
+    return f"plain T={t}" if rule == PLAIN else f"{rule}{shape} k={k} T={t}"
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,7 @@ class RayPool:
         self.options = options or RayOptions()
         self.options.validate()
         self.workers: list[_Worker] = []
+        self.max_new = max_new
         self._connected = connect(self.ray, self.options.address)
         try:
             self._start(spec, suite, max_new, plan_workers(self.ray, self.options, spec.device))
@@ -261,7 +262,7 @@ class RayPool:
         `on_start`: as the local executor's (units of `chunk` rows, `batch_size` decoding at once;
         `on_start` called once before the first unit is handed out, not at all when none is left)."""
         ray = self.ray
-        with ResultsFile(results_path) as store:
+        with ResultsFile(results_path, self.max_new) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             queue = deque(_Unit(config, members, keys=[unit_key(spec, m[1], m[2], m[3]) for m in members])
                           for config, members in work)

@@ -34,7 +34,9 @@ from typing import Sequence
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
 from verispec.evaluation.stats import parse_sequential
-from verispec.evaluation.store import check_schema, read_runs, results_file, run_started, scan_rows
+from verispec.evaluation.rowcheck import row_problem
+from verispec.evaluation.store import (MAX_SETTINGS_BYTES, check_schema, read_regular_file, read_runs,
+                                       results_file, run_started, scan_rows)
 from verispec.evaluation.suites import load_suite
 from verispec.evaluation.units import SweepSpec
 from verispec.machine import kind
@@ -586,67 +588,14 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
     return "".join(parts)
 
 
-# what `summarize` reads from every row, and which of it must be a number
-REQUIRED = ("config", "rule", "family", "k", "temperature", "prompt_id", "seed", "score_name", "score",
-            "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio", "target_nll", "mean_tv")
-NUMERIC = ("k", "temperature", "proposed", "accepted", "tokens", "target_calls", "seconds", "log_ratio",
-           "mean_tv")
-
-
-STRINGS = ("config", "rule", "family", "score_name")  # must be strings (prompt ids: strings or integers)
-OPTIONAL_NUMERIC = ("batch_size", "chunk_size", "batch_seconds", "target_calls")
-ALIGNED_STEPS = ("role", "tv", "draft_confidence", "draft_over_target")
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def row_problem(row: dict) -> str | None:
-    """What makes a row unusable by `summarize`, in words naming the field, or None: a missing key, a
-    non-number where a number is read, a non-string name, `steps` that is not lists of numbers (roles:
-    strings) of one length, `metrics` that is not an object."""
-    missing = [k for k in REQUIRED if k not in row]
-    numbers = [k for k in NUMERIC + OPTIONAL_NUMERIC if k in row and not _number(row[k])]
-    wrong = [k for k in STRINGS if k in row and not isinstance(row[k], str)]
-    wrong += [k for k in ("prompt_id", "seed")
-              if k in row and not (isinstance(row[k], str) or _number(row[k]))]
-    wrong += [k for k in ("unit", "run", "reused_from")
-              if row.get(k) is not None and not isinstance(row[k], str)]
-    if "metrics" in row and row["metrics"] is not None and not isinstance(row["metrics"], dict):
-        wrong.append("metrics")
-    steps = row.get("steps", {})
-    if not isinstance(steps, dict):
-        wrong.append("steps")
-    else:
-        for key, values in steps.items():
-            nullable = key not in ALIGNED_STEPS  # null: a diagnostic with no value there (read as missing)
-            ok = isinstance(values, list) and all(
-                isinstance(v, str) if key == "role" else _number(v) or (v is None and nullable)
-                for v in values)
-            if not ok:
-                wrong.append(f"steps.{key}")
-        lengths = {len(v) for v in steps.values() if isinstance(v, list)}
-        if len(lengths) > 1:
-            wrong.append("steps (lists of different lengths)")
-        absent = [k for k in ALIGNED_STEPS if steps and k not in steps]
-        if absent:  # `summarize` indexes these together, position by position, across rows
-            wrong.append(f"steps without {', '.join(absent)}")
-    if not missing and not numbers and not wrong:
-        return None
-    parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-        [f"not numbers: {', '.join(numbers)}"] if numbers else []) + (
-        [f"wrong type: {', '.join(wrong)}"] if wrong else [])
-    return "; ".join(parts)
-
-
 def _lines_text(items: list, most: int = 8) -> str:
     """The first `most` items (line numbers, row names), and how many more."""
     shown = ", ".join(str(n) for n in items[:most])
     return shown + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
-def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[dict], list[str]]:
+def usable_rows(path: Path, rows: list[dict], lines: list[int],
+                max_new_tokens: int | None = None) -> tuple[list[dict], list[str]]:
     """Rows the report can summarise, and one note per problem: duplicate units (the first copy is
     kept: two copies of one unit are one sample, not two), rows missing keys or with non-numbers
     (skipped, named with their keys and line numbers)."""
@@ -656,7 +605,7 @@ def usable_rows(path: Path, rows: list[dict], lines: list[int]) -> tuple[list[di
     duplicates: list[int] = []
     bad: dict[str, list[int]] = defaultdict(list)
     for row, line in zip(rows, lines):
-        why = row_problem(row)
+        why = row_problem(row, max_new_tokens)
         if why is not None:
             bad[why].append(line)
             continue
@@ -833,7 +782,9 @@ def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
         raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
     scan = scan_rows(path)
     check_schema(path, scan.rows, scan.lines)
-    rows, notes = usable_rows(path, scan.rows, scan.lines)
+    cap = _read_settings(path, []).get("max_new_tokens")  # the sweep's cap, for rows that lack their own
+    rows, notes = usable_rows(path, scan.rows, scan.lines,
+                              cap if isinstance(cap, int) and not isinstance(cap, bool) else None)
     if scan.skipped:
         notes.insert(0, f"skipped {len(scan.skipped)} unreadable line(s) of {path} "
                         "(invalid JSON or not UTF-8): "
@@ -882,8 +833,9 @@ def _read_settings(path: Path, notes: list[str]) -> dict:
     """The sweep.json beside a results file ({} when absent; an unreadable one is noted in `notes`)."""
     spec_file = path.parent / "sweep.json"
     try:
-        settings = json.loads(spec_file.read_text(encoding="utf-8")) if spec_file.exists() else {}
-    except (OSError, ValueError) as err:
+        settings = (json.loads(read_regular_file(spec_file, MAX_SETTINGS_BYTES, "sweep.json").decode("utf-8"))
+                    if spec_file.exists() else {})
+    except (OSError, ValueError, RecursionError) as err:
         notes.append(f"could not read {spec_file}: {err}")
         return {}
     return settings if isinstance(settings, dict) else {}

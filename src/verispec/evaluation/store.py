@@ -15,10 +15,13 @@ import calendar
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+from verispec.evaluation.rowcheck import row_problem
 from verispec.machine import describe
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class ScanResult:
     lines: list[int] = field(default_factory=list)  # 1-based line number of each row
     skipped: list[str] = field(default_factory=list)  # one message per skipped line
     skipped_lines: list[int] = field(default_factory=list)
+    invalid: list[tuple[int, str]] = field(default_factory=list)  # (line, problem) of rows `check` refused
     partial_last_line: bool = False
 
 
@@ -44,19 +48,61 @@ def _unreadable(path: Path, err: OSError) -> ValueError:
     return ValueError(f"cannot read {path}: {err.strerror or err}")
 
 
-def scan_rows(path: Path) -> ScanResult:
+MAX_RESULTS_BYTES = 4 * 2**30  # a results file larger than this is refused, not read into memory
+MAX_SETTINGS_BYTES = 64 * 2**20  # a sweep.json (its suite fingerprint lists every item's digest)
+
+
+def check_regular_file(path: Path, max_bytes: int, what: str = "file") -> None:
+    """ValueError naming the path unless it is a regular file of at most `max_bytes` (not a FIFO, a
+    device such as /dev/zero, a directory); checked before anything opens it."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise _unreadable(path, err) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file (a {_kind(info.st_mode)}); give a {what} on disk")
+    if info.st_size > max_bytes:
+        raise ValueError(f"{path} is {info.st_size / 2**20:.0f} MiB, over the {max_bytes / 2**20:.0f} MiB "
+                         f"a {what} may have")
+
+
+def read_regular_file(path: Path, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a regular file of at most `max_bytes`; ValueError naming the path for anything else
+    (a FIFO, a device such as /dev/zero, a directory, a file past the limit), before reading it."""
+    check_regular_file(path, max_bytes, what)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as err:
+        raise _unreadable(path, err) from None
+    if len(data) > max_bytes:  # it grew while read
+        raise ValueError(f"{path} grew past the {max_bytes / 2**20:.0f} MiB a {what} may have")
+    return data
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+             (stat.S_ISDIR, "directory"), (stat.S_ISSOCK, "socket"))
+    for test, name in kinds:
+        if test(mode):
+            return name
+    return "special file"
+
+
+def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
+              max_bytes: int = MAX_RESULTS_BYTES) -> ScanResult:
     """Rows of a results file with their line numbers; bad lines are skipped, logged and counted.
 
     A last line without its newline is the unit a kill interrupted: ignored quietly (`ResultsFile`
-    cuts it). Raises ValueError naming the path if the file cannot be read at all."""
+    cuts it). `check(row)` (e.g. `rowcheck.row_problem`): a row it finds a problem with is skipped the
+    same way, named with its line and the problem (`invalid`), so no reader counts it and `--resume`
+    decodes its unit again. Raises ValueError naming the path if the file cannot be read at all, is not
+    a regular file, or is larger than `max_bytes`."""
     out = ScanResult()
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return out
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise _unreadable(path, err) from None
+    data = read_regular_file(path, max_bytes, "results file")
     lines = data.split(b"\n")
     last = len(lines) - 1  # data.split leaves b"" after a final newline
     for number, line in enumerate(lines, 1):
@@ -66,15 +112,22 @@ def scan_rows(path: Path) -> ScanResult:
             row = json.loads(line.decode("utf-8"))
             if not isinstance(row, dict):
                 raise ValueError(f"a JSON {type(row).__name__}, not an object")
-        except (UnicodeDecodeError, ValueError) as err:
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
             if number - 1 == last:  # no newline after it: the unit in flight when a kill came
                 out.partial_last_line = True
                 continue
-            reason = "not UTF-8" if isinstance(err, UnicodeDecodeError) else f"invalid JSON ({err})"
+            reason = ("not UTF-8" if isinstance(err, UnicodeDecodeError) else "JSON nested too deep"
+                      if isinstance(err, RecursionError) else f"invalid JSON ({err})")
             message = f"{path}:{number}: skipped an unreadable line: {reason}"
             log.warning(message)
             out.skipped.append(message)
             out.skipped_lines.append(number)
+            continue
+        why = check(row) if check is not None else None
+        if why is not None:
+            message = f"{path}:{number}: skipped an invalid row ({why})"
+            log.warning(message)
+            out.invalid.append((number, why))
             continue
         out.rows.append(row)
         out.lines.append(number)
@@ -87,9 +140,10 @@ def results_file(location: str | Path) -> Path:
     return location / "results.jsonl" if location.is_dir() else location
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Complete rows of a results file (a partial last line is ignored; bad lines are logged, skipped)."""
-    return scan_rows(path).rows
+def read_rows(path: Path, max_new_tokens: int | None = None) -> list[dict]:
+    """Complete, valid rows of a results file (a partial last line is ignored; unreadable lines and rows
+    that fail `rowcheck.row_problem` are logged with their line and skipped)."""
+    return scan_rows(path, check=lambda row: row_problem(row, max_new_tokens)).rows
 
 
 RUNS_FILE = "runs.jsonl"  # beside results.jsonl: one line per run (`record_run`)
@@ -185,20 +239,23 @@ class ResultsFile:
     """The writer's side: `done` holds the unit keys present; rows are not kept in memory (a long sweep's
     writer, e.g. the Ray executor's driver, grows by a key per row, not by the rows' steps)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_new_tokens: int | None = None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
-        scan = scan_rows(path)
+        scan = scan_rows(path, check=lambda row: None if row.get("schema") != SCHEMA_VERSION
+                         else row_problem(row, max_new_tokens))  # another schema: refused below
         self.skipped = scan.skipped
+        self.invalid = scan.invalid  # their units are not done: decoded again
         check_schema(path, scan.rows, scan.lines)
-        self.done = {row["unit"] for row in scan.rows if "unit" in row}
+        self.done = {row["unit"] for row in scan.rows if isinstance(row.get("unit"), str)}
         self._file = open(path, "a", encoding="utf-8")
 
     def _repair(self) -> None:
         """Cut a partial last line (left by a kill mid-write) so the next row starts on a fresh line."""
         if not self.path.exists():
             return
+        check_regular_file(self.path, MAX_RESULTS_BYTES, "results file")  # no FIFO, no device
         with open(self.path, "rb+") as f:
             data = f.read()
             if data and not data.endswith(b"\n"):

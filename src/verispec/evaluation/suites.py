@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from verispec.evaluation import code_protocol, graded, scorers
 from verispec.evaluation.sandbox import run_sandboxed
+from verispec.evaluation.store import check_regular_file, read_regular_file
 from verispec.spec import Registry, split
 
 DATA = Path(__file__).parent / "data"
@@ -66,14 +67,21 @@ class Suite:
 def _read_jsonl(path: Path) -> list[dict]:
     """The JSON objects of a JSONL file, one per non-blank line; each row records its line number under
     `LINE` (for messages). A line that is not a JSON object is a ValueError naming file and line."""
+    check_regular_file(path, MAX_DATA_BYTES, "data file")  # not /dev/zero, a FIFO, a huge file
     opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
+    rows, read = [], 0
     with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
+            read += len(line)
+            if len(line) > MAX_LINE_CHARS or read > MAX_DATA_BYTES:  # a gzip bomb, or one endless line
+                raise ValueError(f"{path}, line {number}: over the {MAX_LINE_CHARS // 2**20} MiB a line or "
+                                 f"the {MAX_DATA_BYTES // 2**20} MiB a data file may hold")
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{path}, line {number}: JSON nested too deep") from None
             except ValueError as err:
                 raise ValueError(f"{path}, line {number}: not valid JSON ({err})") from None
             if not isinstance(row, dict):
@@ -83,6 +91,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 LINE = "__line__"  # the line number `_read_jsonl` adds to each row
+MAX_DATA_BYTES = 512 * 2**20  # a suite's data file (MBPP is 0.5 MB, MATH's test set 10 MB)
+MAX_LINE_CHARS = 64 * 2**20  # one JSONL line of it
 
 
 def check_unique_ids(path: Path, rows: list[dict], items: tuple[Item, ...]) -> None:
@@ -109,7 +119,8 @@ def file_fingerprint(spec: str) -> dict | None:
     items = {item.id: hashlib.sha256(json.dumps([item.prompt, item.answer, item.meta], sort_keys=True,
                                                 default=str).encode()).hexdigest()[:12]
              for item in suite.items}
-    return {"sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "items": items}
+    return {"sha256": hashlib.sha256(read_regular_file(Path(path), MAX_DATA_BYTES, "data file")).hexdigest(),
+            "items": items}
 
 
 def fingerprint_changes(old: dict, new: dict) -> str:
@@ -343,6 +354,7 @@ def load_suite(spec: str) -> Suite:
             raise FileNotFoundError(f"suite file not found: {path}")
         if Path(path).is_dir():
             raise ValueError(f"suite '{name}' reads a JSONL file, but {path} is a directory")
+        check_regular_file(Path(path), MAX_DATA_BYTES, "data file")
         try:
             suite = FILE_SUITES.get(name)(path)
         except (KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError) as err:

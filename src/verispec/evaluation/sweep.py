@@ -23,16 +23,19 @@ from typing import Callable, Sequence
 from verispec import defaults
 from verispec.evaluation.ray_executor import RayPool, check_ray_spec, import_ray
 from verispec.evaluation.store import (
+    MAX_SETTINGS_BYTES,
     RUN_TIME,
     SCHEMA_VERSION,
     DirectoryLock,
     ResultsFile,
     check_schema,
+    read_regular_file,
     read_rows,
     record_run,
     results_file,
     scan_rows,
 )
+from verispec.evaluation.rowcheck import row_problem
 from verispec.evaluation.sandbox import require_sandbox
 from verispec.evaluation.suites import file_fingerprint, fingerprint_changes, load_suite
 from verispec.evaluation.units import PLAIN, LocalExecutor, RunConfig, SweepSpec, unit_key
@@ -176,8 +179,10 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
             spec = replace(spec, backend=str(pool.backend))
             if has_rows:
                 _check_resumable(spec_path, spec, suite_file=suite_file)
+                check_rows_belong(results_path, {unit_key(spec, item, seed, c) for _, item, seed, c in units},
+                                  max_new)
             spec_path.write_text(_settings_json(spec, suite_file), encoding="utf-8")
-            reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file)
+            reuse_rows(spec, units, sources, results_path, progress, reuse_plain, suite_file, max_new)
             # the run is recorded (runs.jsonl) just before its first unit decodes: a resume with nothing
             # left, or a sweep whose rows were all copied (--reuse-from), decodes nothing and records nothing
             pool.run_units(spec, suite, units, results_path, progress, batch_size, on_row, run, chunk=chunk,
@@ -206,7 +211,8 @@ def read_reusable(sources, results_path: Path) -> list[tuple[str, Path]]:
 
 
 def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_path: Path,
-               progress: bool = False, reuse_plain: bool = False, suite_file: dict | None = None) -> int:
+               progress: bool = False, reuse_plain: bool = False, suite_file: dict | None = None,
+               max_new_tokens: int | None = None) -> int:
     """Append the rows of other sweeps (`read_reusable`; the first source holding a unit wins) that are
     results of this sweep's units not yet done: same unit key, and the row's own prompt, seed and
     configuration agree with it. Plain decoding is not copied unless `reuse_plain` (it is the speed
@@ -217,10 +223,10 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_
     wanted = {unit_key(spec, item, seed, config): (item.id, seed, config.id)
               for _, item, seed, config in units if reuse_plain or config.rule != PLAIN}
     total = 0
-    with ResultsFile(results_path) as store:
+    with ResultsFile(results_path, max_new_tokens) as store:
         for source, path in sources:
             copied, same, changed = 0, _same_items(path, suite_file), set()
-            for row in read_rows(path):
+            for row in read_rows(path, max_new_tokens):  # a row that fails rowcheck is named, never copied
                 unit = row.get("unit")
                 if unit not in wanted or unit in store.done:
                     continue
@@ -249,15 +255,33 @@ def _same_items(results_path: Path, suite_file: dict | None) -> Callable[[object
     if suite_file is None:
         return lambda prompt_id: True
     try:
-        theirs = json.loads((results_path.parent / "sweep.json").read_text(encoding="utf-8"))["suite_file"]
+        theirs = json.loads(read_regular_file(results_path.parent / "sweep.json", MAX_SETTINGS_BYTES,
+                                              "sweep.json").decode("utf-8"))["suite_file"]
         items = dict(theirs["items"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         items = {}
     return lambda prompt_id: prompt_id in items and items[prompt_id] == suite_file["items"].get(prompt_id)
 
 
 
 
+
+
+def check_rows_belong(results_path: Path, units: set[str], max_new_tokens: int | None) -> None:
+    """Refuse to resume (ValueError naming the line) when the results file holds a row that is no unit of
+    this sweep: its settings differ from what sweep.json and the command say (e.g. a hand-edited
+    sweep.json, whose rows were decoded under another max_new_tokens); resuming would decode this
+    sweep's units beside them and a report would merge both settings. Rows that fail `rowcheck` are
+    named by `ResultsFile` and decoded again, not refused here."""
+    scan = scan_rows(results_path, check=lambda row: row_problem(row, max_new_tokens))
+    for row, line in zip(scan.rows, scan.lines):
+        if row.get("unit") not in units:
+            cap = (f" (its max_new_tokens {row['max_new_tokens']}, this sweep's {max_new_tokens})"
+                   if row.get("max_new_tokens", max_new_tokens) != max_new_tokens else "")
+            raise ValueError(f"{results_path}:{line}: row {row.get('config')!r} / {row.get('prompt_id')!r} "
+                             f"(seed {row.get('seed')!r}) is not a unit of this sweep{cap}: its settings "
+                             "differ from sweep.json's and the command's (was either edited?); resuming "
+                             "would mix both settings in one report; restore them or use a new --out")
 
 
 def check_config_ids(results_path: Path, configs: list[RunConfig]) -> None:
@@ -267,7 +291,7 @@ def check_config_ids(results_path: Path, configs: list[RunConfig]) -> None:
     legacy = {c.legacy_id: c.id for c in configs if c.legacy_id != c.id}
     if not legacy:
         return
-    for row in read_rows(results_path):
+    for row in scan_rows(results_path).rows:  # every readable row, valid or not: its key is what matters
         if row.get("config") in legacy and row.get("config") not in ids:
             raise ValueError(f"{results_path} holds rows of {row['config']!r}, written by an older verispec "
                              f"that rounded the temperature to 6 digits (now {legacy[row['config']]!r}); "
@@ -281,10 +305,11 @@ def _check_resumable(spec_path: Path, spec: SweepSpec, ignore_backend: bool = Fa
     the Ray executor learns it from its workers, and checks it again then), or whose data file changed
     since (`suite_file`: ValueError naming the ids added, removed and edited)."""
     try:
-        old_settings = json.loads(spec_path.read_text(encoding="utf-8"))
+        raw = read_regular_file(spec_path, MAX_SETTINGS_BYTES, "sweep.json")
+        old_settings = json.loads(raw.decode("utf-8"))
         if not isinstance(old_settings, dict):
             raise ValueError("not a JSON object")
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ValueError(f"cannot read {spec_path}: {err}") from None
     old_file = old_settings.pop("suite_file", None)
     new_settings = json.loads(_settings_json(replace(spec, backend=None) if ignore_backend else spec))

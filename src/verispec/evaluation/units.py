@@ -24,7 +24,7 @@ import torch
 from verispec import defaults
 from verispec.api import DTYPES, as_dtype, check_device, encode_prompt, resolve_drafter, resolve_target
 from verispec.decode import DecodeConfig, Generation, check_context, decode_prompts
-from verispec.evaluation.comparisons import parse_comparison
+from verispec.evaluation.comparisons import exact_number, parse_comparison
 from verispec.evaluation.stats import parse_sequential
 from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile
 from verispec.evaluation.suites import TARGET_LOGLIK, Item, Suite, load_suite
@@ -62,14 +62,6 @@ class RunConfig:
         shape = f" {self.tree}" if self.tree else ""
         return (f"{self.rule}{shape} k={self.k} T={self.temperature:g}" if self.rule != PLAIN
                 else f"plain T={self.temperature:g}")
-
-
-def exact_number(value: float) -> str:
-    """`value` in its shortest `:g` form when that reads back as exactly `value` (1.0 -> '1', 0.7 ->
-    '0.7': the ids of every sweep written so far), else Python's round-tripping repr (1.0000001 ->
-    '1.0000001', which `:g` wrote as '1' and so merged two temperatures into one unit)."""
-    short = f"{value:g}"
-    return short if float(short) == value else repr(float(value))
 
 
 @dataclass(frozen=True)
@@ -205,7 +197,9 @@ def _round(values: list, digits: int = 6) -> list:
 
 
 def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, config: RunConfig,
-             gen: Generation, text: str) -> dict:
+             gen: Generation, text: str, max_new_tokens: int | None = None) -> dict:
+    """A results row: the unit's settings (every one that defines it, the token cap `max_new_tokens`
+    included), its decode statistics, metrics, text, token ids and per-step diagnostics."""
     if gen.steps is None:
         raise ValueError("sweep rows need per-step diagnostics (DecodeConfig.diagnostics=True)")
     metrics = suite.score(text, item)
@@ -223,6 +217,7 @@ def make_row(spec: SweepSpec, suite: Suite, item: Item, index: int, seed: int, c
         "family": (PLAIN if config.rule == PLAIN else parse(config.rule).family if not config.tree
                    else tree_verification_rule(config.rule, parse_shape(config.tree)).family),
         "tree": config.tree,
+        "max_new_tokens": max_new_tokens if max_new_tokens is not None else spec.max_new_tokens,
         **stats,
         "metrics": metrics, "score": metrics.get(suite.primary), "score_name": suite.primary,
         "protocol": suite.protocol,
@@ -295,7 +290,8 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
     rows = []
     width = len(members) if slots is None else min(slots, len(members))
     for (index, item, seed, _), gen in zip(members, generations):
-        row = make_row(spec, suite, item, index, seed, config, gen, target.decode(list(gen.token_ids)))
+        text = target.decode(list(gen.token_ids))
+        row = make_row(spec, suite, item, index, seed, config, gen, text, max_new)
         row["batch_size"], row["chunk_size"], row["batch_seconds"] = width, len(members), batch_seconds
         rows.append(row)
     return rows
@@ -356,7 +352,7 @@ class LocalExecutor:
     matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time.
     `on_start` is called once before the first unit decodes, and not at all when none is left (the
     sweep records its run there: a run that decodes nothing leaves no record)."""
-        with ResultsFile(results_path) as store:
+        with ResultsFile(results_path, self.max_new) as store:
             work = work_units(units, store.done, spec, chunk or batch_size)
             todo = sum(len(members) for _, members in work)
             if work and on_start is not None:

@@ -19,6 +19,7 @@ import logging
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -481,6 +482,56 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 (at once when its Content-Length
+    says so, else as soon as the bytes received pass it), and a body not received within `timeout`
+    seconds is answered 408, so a client that never finishes its body does not hold its connection."""
+
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            status, message = ((413, f"the request body is {int(length)} bytes, over the server's limit of "
+                                     f"{self.max_bytes} (--max-body-bytes)") if length.isdigit()
+                               else (400, "the Content-Length header is not a number"))
+            return await _send_error(send, status, message)
+        loop = asyncio.get_running_loop()
+        deadline, received, complete = loop.time() + self.timeout, 0, False
+
+        async def limited():
+            nonlocal received, complete
+            if complete:  # after the body: disconnect notices, unbounded in time
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s "
+                                    "(--body-timeout)", code="request_timeout") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise APIError(413, f"the request body is over the server's limit of {self.max_bytes} "
+                                        "bytes (--max-body-bytes)", code="request_too_large")
+                complete = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    """An error in OpenAI's shape, sent by ASGI middleware (before the app runs); the connection closes."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": "request_too_large" if status == 413 else None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def create_app(config: ServeConfig | None = None, target=None, drafter=None, server: Server | None = None,
                replica: str | None = None):
     """The ASGI app (FastAPI). Models load here (once); the engine thread runs while the app is up.
@@ -496,6 +547,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             yield
         finally:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="verispec serve", version=VERSION, lifespan=lifespan)
 
@@ -512,6 +564,14 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                          "content": {"application/json": {"schema": {
                              "$ref": "#/components/schemas/VerispecResponseFields"}}}}}
     app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=server.config.max_body_bytes, timeout=server.config.body_timeout)
+    # JSON parsing and tokenizing off the event loop (one thread: the tokenizer is not shared between
+    # threads), so a large prompt does not hold up /health or the streams of other requests
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+
     if replica is not None:
         Gauge("verispec:replica_info", "The replica that served this exposition (always 1)", ["replica"],
               registry=server.metrics.registry).labels(replica=replica).set(1)
@@ -565,9 +625,11 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                            "unsupported")
         if not isinstance(body.get("add_special_tokens", True), bool):
             raise APIError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+        if chat and "prompt" in body:
+            raise APIError(400, "send 'prompt' or 'messages', not both", "prompt")
         if not chat and not isinstance(body.get("prompt"), str):
             raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
-        ids = server.encode(body, chat)
+        ids = await off_loop(server.encode, body, chat)
         return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
 
     @app.post("/detokenize")
@@ -594,8 +656,9 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def json_body(request: Request) -> dict:
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = await off_loop(json.loads, raw) if len(raw) > 2**16 else json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
             raise APIError(400, f"the request body is not valid JSON: {err}") from None
         except RecursionError:  # the JSON parser recurses per nesting level
@@ -611,7 +674,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         return body
 
     async def handle(request: Request, chat: bool):
-        params = server.parse_request(await json_body(request), chat)
+        params = await off_loop(server.parse_request, await json_body(request), chat)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [Job(id=engine.new_id(), params=replace(params, seed=(params.seed + i) % (MAX_SEED + 1)),
                     loop=loop, events=events, index=i) for i in range(params.n)]

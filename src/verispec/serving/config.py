@@ -20,7 +20,8 @@ MAX_SEED = 2**63 - 1
 FLAGS = {"k": "--k", "max_k": "max_k", "max_queue": "--max-queue", "max_batch": "--max-batch",
          "max_tokens_limit": "--max-tokens-limit", "default_max_tokens": "--default-max-tokens",
          "max_tv_per_token": "--max-tv-per-token", "max_tv_per_response": "--max-tv-per-response",
-         "shutdown_grace": "--shutdown-grace", "max_n": "--max-n", "max_tree_nodes": "--max-tree-nodes"}
+         "shutdown_grace": "--shutdown-grace", "max_n": "--max-n", "max_tree_nodes": "--max-tree-nodes",
+         "max_body_bytes": "--max-body-bytes", "body_timeout": "--body-timeout"}
 
 
 def _int(value) -> bool:
@@ -56,10 +57,12 @@ class ServeConfig:
     # takes; kept as its canonical spec); None: chain drafts of k tokens. `rule` is then a tree rule.
     tree: str | None = None
     max_tree_nodes: int = 64  # the most drafted nodes a tree block may have (a request's or --tree's)
+    max_body_bytes: int = 8 * 2**20  # a larger request body is answered 413 before it is read or parsed
+    body_timeout: float = 30.0  # seconds a client has to send its whole body; then 408
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
-                          ("max_n", 1), ("max_tree_nodes", 1)):
+                          ("max_n", 1), ("max_tree_nodes", 1), ("max_body_bytes", 1)):
             value = getattr(self, name)
             if not _int(value) or value < low:
                 raise ValueError(f"{FLAGS[name]} must be an integer >= {low}, got {value!r}")
@@ -77,6 +80,9 @@ class ServeConfig:
         g = self.shutdown_grace
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and g >= 0):
             raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {g!r}")
+        t = self.body_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"--body-timeout must be a number of seconds > 0, got {t!r}")
         if self.allow_rules is not None and not self.allow_rules:
             raise ValueError("--allow-rules needs at least one rule name, family or spec")
         if self.tree is not None:
