@@ -11,10 +11,12 @@ import threading
 
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
+from verispec.audit import AuditConfig, Sampling, load_prompts, render, run_audit
 from verispec.evaluation import sandbox
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import sweep_progress, write_report
 from verispec.evaluation.store import SweepLockedError
+from verispec.evaluation.suites import load_suite
 from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import SweepSpec
 from verispec.jsonsafe import json_safe
@@ -180,6 +182,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"default pair (resumes if {args.out} already holds this sweep)", file=sys.stderr)
     run_sweep(spec, args.out, resume=True, progress=not args.no_progress, batch_size=8)
     return print_report(args.out)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    if (args.prompts is None) == (args.suite is None):
+        raise ValueError("give the prompts: --prompts FILE or --suite NAME (one of them)")
+    chat = args.chat
+    if args.prompts is not None:
+        prompts = load_prompts(args.prompts)
+    else:
+        suite = load_suite(args.suite)
+        prompts = [item.prompt for item in suite.items]
+        chat = suite.chat if chat is None else chat
+    try:
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+    except ValueError as err:
+        raise ValueError(f"--extra-body must be a JSON object: {err}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object, e.g. '{\"return_token_ids\": true}'")
+    settings = tuple(Sampling(t, args.top_k, args.top_p, args.min_p) for t in args.temperature)
+    config = AuditConfig(endpoint=args.endpoint, target=args.target, prompts=prompts, samples=args.samples,
+                         settings=settings, max_tokens=args.max_tokens, seed=args.seed, alpha=args.alpha,
+                         control=args.control, model=args.model, extra=extra, chat=chat,
+                         dtype=as_dtype(args.dtype), timeout=args.timeout)
+    report = run_audit(config, progress=not args.no_progress)
+    print(json.dumps(json_safe(report), indent=1) if args.json else render(report))
+    return 0 if report["conforms"] else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -440,7 +468,42 @@ def build_parser() -> argparse.ArgumentParser:
     on_ray.add_argument("--ray-deploy-timeout", type=float, default=None,
                      help="seconds for every replica to load the models and start (default 600)")
     srv.set_defaults(func=cmd_serve)
+    add_audit_parser(sub)
     return parser
+
+
+def add_audit_parser(sub) -> None:
+    audit = sub.add_parser("audit", help="test whether a serving endpoint samples the law it claims "
+                                         "(exit 0: conforms, 1: does not, 2: could not run)")
+    audit.add_argument("--endpoint", required=True, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    audit.add_argument("--target", required=True, help="the reference: the model the endpoint serves "
+                                                        "(a named model, HF directory or GGUF)")
+    audit.add_argument("--model", default=None,
+                       help="the model id to request (default: the endpoint's first)")
+    given = audit.add_mutually_exclusive_group()
+    given.add_argument("--prompts", default=None, metavar="FILE",
+                       help="prompts: JSONL with a \"prompt\" field, or one prompt a line")
+    given.add_argument("--suite", default=None, help="a suite's prompts (verispec suites)")
+    audit.add_argument("--samples", type=int, default=200, help="replies per sampling setting (default 200)")
+    audit.add_argument("--temperature", type=float, nargs="+", default=[1.0])
+    audit.add_argument("--top-k", type=int, default=None)
+    audit.add_argument("--top-p", type=float, default=None)
+    audit.add_argument("--min-p", type=float, default=None)
+    audit.add_argument("--max-tokens", type=int, default=64)
+    audit.add_argument("--seed", type=int, default=0, help="the first reply's seed (then +1 a reply)")
+    audit.add_argument("--alpha", type=float, default=0.01, help="the test's level (Holm over 5 statistics)")
+    audit.add_argument("--control", default=None, metavar="URL",
+                       help="the same engine with speculation off: audited alike, to tell numerics from "
+                            "speculation")
+    audit.add_argument("--extra-body", default=None, metavar="JSON",
+                       help="more request fields, e.g. '{\"return_token_ids\": true}' for vLLM")
+    audit.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                       help="wrap prompts in the reference tokenizer's chat template (default: as the suite)")
+    audit.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    audit.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.add_argument("--no-progress", action="store_true")
+    audit.set_defaults(func=cmd_audit)
 
 
 def _message(err: BaseException) -> str:

@@ -1,0 +1,9 @@
+"""`verispec audit`: does a serving engine's output follow the law it claims? (docs/design.md, 'Auditing
+an engine')."""
+
+from verispec.audit.endpoint import Endpoint, EndpointError, Sampling
+from verispec.audit.run import AuditConfig, AuditError, load_prompts, render, run_audit
+from verispec.audit.stats import Audit, effects_in_words
+
+__all__ = ["Audit", "AuditConfig", "AuditError", "Endpoint", "EndpointError", "Sampling", "effects_in_words",
+           "load_prompts", "render", "run_audit"]

@@ -1,0 +1,150 @@
+"""Replies from an OpenAI-compatible completions endpoint (verispec serve, vLLM, SGLang, llama.cpp's server,
+llama-cpp-python's server): one request per reply, the prompt sent as token ids (so the engine and the
+reference see the same prompt), plain standard-library HTTP (no client dependency).
+
+The reply's token ids come from the response where it returns them (`choices[0].token_ids`: verispec
+serve, vLLM with `return_token_ids`, llama.cpp's `tokens`), else from tokenizing the text with the
+reference's tokenizer, kept only when decoding them gives the text back (a reply whose tokens cannot be
+told from its text is refused and counted, never guessed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be used: unreachable, an HTTP error, or an answer that is not a completion."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling settings a request sends (and so the law it claims)."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    def fields(self) -> dict:
+        out: dict = {"temperature": self.temperature}
+        for name in ("top_k", "top_p", "min_p"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def name(self) -> str:
+        names = ("top_k", "top_p", "min_p")
+        parts = [f"T={self.temperature:g}"] + [f"{n}={getattr(self, n):g}" for n in names
+                                                if getattr(self, n) is not None]
+        return " ".join(parts)
+
+
+@dataclass
+class Reply:
+    token_ids: list[int]  # the emitted tokens, a stop token last if the reply ended at one
+    finish: str  # "stop", "length" or the endpoint's word
+    text: str = ""
+    logprobs: list[float] | None = None  # the endpoint's own log-probabilities of the emitted tokens
+    ids_from: str = "endpoint"  # "endpoint" or "text" (tokenized here, round-trip checked)
+
+
+@dataclass
+class Endpoint:
+    """An OpenAI-compatible completions endpoint (`url`: its base, e.g. http://127.0.0.1:8000 or .../v1)."""
+
+    url: str
+    model: str | None = None
+    timeout: float = 300.0
+    extra: dict = field(default_factory=dict)  # more request fields (e.g. {"return_token_ids": true})
+
+    def __post_init__(self) -> None:
+        base = self.url.rstrip("/")
+        if not base.startswith(("http://", "https://")):
+            raise ValueError(f"--endpoint must be an http(s) URL, got {self.url!r}")
+        self.base = base[:-3] if base.endswith("/v1") else base
+
+    def _call(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(self.base + path, data=data, headers=headers,
+                                         method="GET" if body is None else "POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read()[:500].decode("utf-8", "replace")
+            raise EndpointError(f"{self.base}{path} answered HTTP {err.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as err:
+            reason = getattr(err, "reason", err)
+            raise EndpointError(f"cannot reach {self.base}{path}: {reason}") from None
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            raise EndpointError(f"{self.base}{path} did not answer JSON: {raw[:200]!r}") from None
+        if not isinstance(out, dict):
+            raise EndpointError(f"{self.base}{path} answered {type(out).__name__}, not a JSON object")
+        return out
+
+    def served_model(self) -> str:
+        """The model id the endpoint serves (`/v1/models`), checked reachable before any sampling."""
+        listing = self._call("/v1/models", timeout=min(self.timeout, 30.0))
+        data = listing.get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+            raise EndpointError(f"{self.base}/v1/models lists no model: {str(listing)[:200]}")
+        ids = [d.get("id") for d in data]
+        if self.model is not None and self.model not in ids:
+            raise EndpointError(f"{self.base} serves {ids}, not {self.model!r}")
+        return self.model or ids[0]
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling, seed: int,
+                 decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
+                 stop_ids: list[int]) -> Reply | None:
+        """One reply (None when its token ids cannot be recovered from its text)."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "seed": seed,
+                "logprobs": 1, "n": 1, **sampling.fields(), **self.extra}
+        out = self._call("/v1/completions", body)
+        try:
+            choice = out["choices"][0]
+            text, finish = choice.get("text", ""), choice.get("finish_reason") or "length"
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise EndpointError(f"not a completion: {str(out)[:300]}") from None
+        ids = _returned_ids(choice, out)
+        source = "endpoint"
+        if ids is None:
+            ids, source = encode(text) if text else [], "text"
+            if decode(ids) != text:
+                return None  # ambiguous: its tokens cannot be told from its text
+        if finish == "stop" and stop_ids and (not ids or ids[-1] not in stop_ids):
+            ids = ids + [stop_ids[0]]  # ended at a stop token the response leaves out of its tokens
+        return Reply(ids, finish, text, _returned_logprobs(choice), source)
+
+
+def _returned_ids(choice: dict, out: dict) -> list[int] | None:
+    for holder in (choice, out):
+        for key in ("token_ids", "tokens"):
+            ids = holder.get(key)
+            if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                return list(ids)
+    return None
+
+
+def _returned_logprobs(choice: dict) -> list[float] | None:
+    logprobs = choice.get("logprobs")
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list):
+        return None
+    out = []
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(float(v))
+        elif v == "-inf":
+            out.append(-math.inf)
+        else:
+            return None
+    return out

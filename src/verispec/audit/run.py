@@ -1,0 +1,351 @@
+"""`verispec audit`: sample replies from a serving endpoint and test that they follow the law it claims
+(docs/design.md, 'Auditing an engine').
+
+For each sampling setting (temperature, top-k, top-p, min-p) the endpoint is asked for `samples` replies
+(prompts in turn, seeds `seed`, `seed + 1`, ...); each reply's prompt + tokens go through the reference
+target in one fresh, cache-free pass, and the claimed law at every emitted position (the reference's
+logits processed by the request's settings) goes to `audit.stats.Audit` with the emitted tokens. A
+power check draws, at the same positions, from the law at 0.95 T and 1.05 T. When the claim fails, the
+candidate law that fits the tokens best is named (the target at other temperatures, with llama.cpp's
+default truncations and each one alone). A control endpoint (the same engine with speculation off) goes
+through the same audit, so a failure from numerics is told from one speculation adds.
+
+Exit status: 0 every audited setting conforms, 1 one does not, 2 the audit could not run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from verispec.api import encode_prompt, resolve_target
+from verispec.audit.endpoint import Endpoint, EndpointError, Sampling
+from verispec.audit.stats import Audit, effects_in_words, log_likelihood
+from verispec.decode import stop_ids
+from verispec.evaluation.store import read_regular_file
+from verispec.sampling import SamplingConfig, process
+
+POWER = (0.95, 1.05)  # the power check's samplers: the claimed law at these multiples of T
+# candidate laws for the best fit, as (name, temperature multiple, top_k, top_p, min_p); llama.cpp's
+# server truncates by top-k 40, top-p 0.95 and min-p 0.05 unless told otherwise
+CANDIDATES = ([(f"T x {m:g}", m, None, None, None) for m in (0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5)]
+              + [("top-k 40", 1.0, 40, None, None), ("top-p 0.95", 1.0, None, 0.95, None),
+                 ("min-p 0.05", 1.0, None, None, 0.05),
+                 ("llama.cpp defaults (top-k 40, top-p 0.95, min-p 0.05)", 1.0, 40, 0.95, 0.05)])
+
+
+class AuditError(ValueError):
+    """The audit cannot run (bad settings, an unusable endpoint, a tokenizer mismatch): exit status 2."""
+
+
+@dataclass
+class AuditConfig:
+    endpoint: str
+    target: str
+    prompts: list[str]
+    samples: int = 200
+    settings: tuple[Sampling, ...] = (Sampling(),)
+    max_tokens: int = 64
+    seed: int = 0
+    alpha: float = 0.01
+    control: str | None = None
+    model: str | None = None
+    extra: dict = field(default_factory=dict)
+    chat: bool | None = None
+    dtype: torch.dtype = torch.float32
+    timeout: float = 300.0
+
+    def validate(self) -> None:
+        if not self.prompts:
+            raise AuditError("no prompts: give --prompts FILE or --suite NAME")
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise AuditError(f"--samples must be an integer >= 1, got {self.samples!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise AuditError(f"--max-tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0 < self.alpha < 1:
+            raise AuditError(f"--alpha must be in (0, 1), got {self.alpha!r}")
+        for s in self.settings:
+            if not (math.isfinite(s.temperature) and s.temperature > 0):
+                raise AuditError(f"--temperature must be > 0 (a greedy engine has no law to test), got "
+                                 f"{s.temperature!r}")
+            SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+
+
+def _law(logits: torch.Tensor, s: Sampling, scale: float = 1.0) -> torch.Tensor:
+    """logits [n, V] -> the law [n, V] of sampling `s` at `scale` times its temperature, float64."""
+    config = SamplingConfig(temperature=s.temperature * scale, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+    return process(logits, config, dtype=torch.float64)
+
+
+class Reference:
+    """The reference target: prompts as token ids, and the logits at a reply's emitted positions."""
+
+    def __init__(self, target: str, dtype: torch.dtype, chat: bool | None):
+        self.model = resolve_target(target, "cpu", dtype)
+        self.chat = chat
+        self.stops = sorted(stop_ids(self.model))
+        context = getattr(self.model, "max_context", None)
+        self.context = context if isinstance(context, int) else None
+
+    def encode(self, prompt: str) -> list[int]:
+        return encode_prompt(self.model, prompt, self.chat)
+
+    def logits(self, prompt_ids: list[int], reply: list[int]) -> torch.Tensor:
+        """logits [n, V] (float32) predicting each of the reply's n tokens, in one cache-free pass."""
+        ids = torch.tensor([prompt_ids + reply[:-1]])  # [1, L + n - 1]: position t predicts token t + 1
+        return self.model.session().logits_for(ids, len(reply))[0].float()  # [n, V]
+
+
+def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig, sampling: Sampling,
+                   prompt_ids: list[list[int]], progress: bool = False) -> dict:
+    """One sampling setting on one endpoint: the audit's result (`Audit.result`), its effects in words,
+    the power rows, the best-fitting candidate law and the endpoint's log-probabilities against the
+    reference's."""
+    generator = torch.Generator().manual_seed(config.seed + 20261207)  # the PIT's v_t and the power draws
+    audit = Audit(alpha=config.alpha)
+    power = {scale: Audit(alpha=config.alpha) for scale in POWER}
+    fit = {name: 0.0 for name, *_ in CANDIDATES}
+    refused, empty, from_text = 0, 0, 0
+    logprob_gaps: list[float] = []
+    raw_gaps: list[float] = []
+    vocab = None
+    started = time.monotonic()
+    for i in range(config.samples):
+        prompt = prompt_ids[i % len(prompt_ids)]
+        reply = endpoint.complete(prompt, config.max_tokens, sampling, config.seed + i,
+                                  reference.model.decode, reference.model.encode, reference.stops)
+        if reply is None:
+            refused += 1
+            continue
+        if not reply.token_ids:
+            empty += 1
+            continue
+        from_text += reply.ids_from == "text"
+        logits = reference.logits(prompt, reply.token_ids)  # [n, V]
+        vocab = logits.shape[-1]
+        if max(reply.token_ids) >= vocab:
+            raise AuditError(f"the endpoint returned token id {max(reply.token_ids)}, outside the "
+                             f"reference's vocabulary of {vocab}: is --target the endpoint's model?")
+        tokens = torch.tensor(reply.token_ids)  # [n]
+        law = _law(logits, sampling)  # [n, V]
+        audit.add(law, tokens, reference.stops, generator)
+        for scale, checked in power.items():
+            drawn = torch.multinomial(_law(logits, sampling, scale), 1, generator=generator)[:, 0]  # [n]
+            checked.add(law, drawn, reference.stops, generator)
+        for name, scale, top_k, top_p, min_p in CANDIDATES:
+            candidate = Sampling(sampling.temperature * scale, top_k, top_p, min_p)
+            fit[name] += log_likelihood(_law(logits, candidate), tokens)
+        if reply.logprobs is not None and len(reply.logprobs) >= len(reply.token_ids) - 1:
+            n = min(len(reply.logprobs), len(reply.token_ids))
+            mine = law.gather(-1, tokens[:n, None])[:, 0].clamp_min(1e-300).log()  # [n]
+            raw = logits.double().log_softmax(-1).gather(-1, tokens[:n, None])[:, 0]  # [n]
+            theirs = torch.tensor(reply.logprobs[:n], dtype=torch.float64)
+            finite = torch.isfinite(theirs)
+            logprob_gaps += (theirs - mine)[finite].abs().tolist()
+            raw_gaps += (theirs - raw)[finite].abs().tolist()
+        if progress and (i + 1) % 50 == 0:
+            print(f"audit {sampling.name()}: {i + 1}/{config.samples} replies, "
+                  f"{time.monotonic() - started:.0f} s", file=sys.stderr)
+    if audit.replies == 0:
+        raise AuditError(f"no reply could be checked ({refused} ambiguous, {empty} empty): nothing to test")
+    result = audit.result()
+    tokens_seen = result["tokens"]
+    power_rows = {f"T x {scale:g}": power[scale].result() for scale in POWER}
+    caught = {name: not r["conforms"] for name, r in power_rows.items()}
+    out = {"setting": sampling.name(), "result": result, "effects": effects_in_words(result),
+           "power": {name: {"detected": caught[name], "holm": r["holm"]} for name, r in power_rows.items()},
+           "refused_ambiguous": refused, "empty": empty, "ids_from_text": from_text}
+    if not all(caught.values()):
+        # z grows as the square root of the tokens: the count at which the weaker power row would pass
+        # the threshold of the most sensitive statistic
+        z_needed = _z_for(config.alpha / len(result["holm"]))
+        z_seen = min(max(abs(r["statistics"]["surprise"]["z"]), abs(r["statistics"]["top"]["z"]))
+                     for r in power_rows.values())
+        needed = math.ceil(tokens_seen * (z_needed / max(z_seen, 1e-6)) ** 2)
+        out["too_few_tokens"] = (f"a 5% temperature error would not be caught with {tokens_seen} tokens; "
+                                 f"about {needed} are needed (raise --samples or --max-tokens)")
+    per_token = {name: value / tokens_seen for name, value in fit.items()}
+    best = max(per_token, key=per_token.get)
+    out["best_fit"] = {"law": best, "gain_nats_per_token": per_token[best] - per_token["T x 1"],
+                       "candidates": per_token}
+    if logprob_gaps:
+        gaps = torch.tensor(logprob_gaps)
+        raw = torch.tensor(raw_gaps)
+        out["endpoint_logprobs"] = {"positions": len(logprob_gaps),
+                                    "median_gap_to_claimed_law": float(gaps.median()),
+                                    "p99_gap_to_claimed_law": float(gaps.quantile(0.99)),
+                                    "median_gap_to_raw_model": float(raw.median())}
+    return out
+
+
+def _z_for(p: float) -> float:
+    """The z whose two-sided p is `p` (bisection on erfc)."""
+    lo, hi = 0.0, 40.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if math.erfc(mid / math.sqrt(2)) > p else (lo, mid)
+    return hi
+
+
+def preflight(endpoint: Endpoint, reference: Reference, config: AuditConfig, prompt_ids: list[list[int]]
+              ) -> list[str]:
+    """Checks before any sampling: the endpoint answers and serves a model, the prompts fit the reference's
+    context, and the endpoint follows the seed (two requests with one seed give one reply; a note when not:
+    the law test does not need it). Raises AuditError when the audit cannot run."""
+    try:
+        endpoint.model = endpoint.served_model()
+    except EndpointError as err:
+        raise AuditError(str(err)) from None
+    context = reference.context
+    longest = max(len(p) for p in prompt_ids)
+    if context is not None and longest + config.max_tokens > context:
+        raise AuditError(f"a prompt of {longest} tokens + --max-tokens {config.max_tokens} exceeds the "
+                         f"reference's context of {context}")
+    notes = []
+    sampling = config.settings[0]
+    try:
+        first = endpoint.complete(prompt_ids[0], min(config.max_tokens, 16), sampling, config.seed,
+                                  reference.model.decode, reference.model.encode, reference.stops)
+        again = endpoint.complete(prompt_ids[0], min(config.max_tokens, 16), sampling, config.seed,
+                                  reference.model.decode, reference.model.encode, reference.stops)
+    except EndpointError as err:
+        raise AuditError(str(err)) from None
+    if first is not None and first.token_ids and max(first.token_ids) >= _vocab(reference, prompt_ids[0]):
+        raise AuditError("the endpoint's token ids fall outside the reference's vocabulary: --target must be "
+                         "the model the endpoint serves (the same tokenizer)")
+    if first is not None and first.ids_from == "text":
+        # the endpoint returns text only: its tokens come from the reference's tokenizer; a mismatch in
+        # the prompt's tokenization would show as a failed round trip on most replies
+        notes.append("the endpoint returns no token ids: replies are tokenized here, round-trip checked")
+    if first is not None and again is not None and first.token_ids != again.token_ids:
+        notes.append("the endpoint ignores the seed (one seed gave two replies): replies are still i.i.d. "
+                     "draws, so the test holds, but a failing reply cannot be reproduced by its seed")
+    return notes
+
+
+def _vocab(reference: Reference, prompt: list[int]) -> int:
+    return int(reference.logits(prompt, prompt[-1:]).shape[-1])
+
+
+def run_audit(config: AuditConfig, progress: bool = False) -> dict:
+    """The whole audit (every setting, the endpoint and the control) as a JSON-able report; `conforms`
+    is False when any setting of the endpoint fails."""
+    config.validate()
+    try:
+        endpoint = Endpoint(config.endpoint, config.model, config.timeout, dict(config.extra))
+        control = (Endpoint(config.control, config.model, config.timeout, dict(config.extra))
+                   if config.control else None)
+    except ValueError as err:
+        raise AuditError(str(err)) from None
+    reference = Reference(config.target, config.dtype, config.chat)
+    prompt_ids = [reference.encode(p) for p in config.prompts]
+    notes = preflight(endpoint, reference, config, prompt_ids)
+    if control is not None:
+        notes += [f"control: {n}" for n in preflight(control, reference, config, prompt_ids)]
+    report = {"endpoint": config.endpoint, "model": endpoint.model, "target": config.target,
+              "samples": config.samples, "max_tokens": config.max_tokens, "alpha": config.alpha,
+              "notes": notes, "settings": []}
+    for sampling in config.settings:
+        try:
+            entry = {"endpoint": audit_endpoint(endpoint, reference, config, sampling, prompt_ids, progress)}
+            if control is not None:
+                entry["control"] = audit_endpoint(control, reference, config, sampling, prompt_ids, progress)
+        except EndpointError as err:
+            raise AuditError(str(err)) from None
+        entry["reading"] = _reading(entry)
+        report["settings"].append(entry)
+    report["conforms"] = all(e["endpoint"]["result"]["conforms"] for e in report["settings"])
+    return report
+
+
+def _reading(entry: dict) -> str:
+    """Which of the endpoint and its control fails, in words."""
+    mine = entry["endpoint"]["result"]["conforms"]
+    if "control" not in entry:
+        return "conforms" if mine else "does not conform"
+    theirs = entry["control"]["result"]["conforms"]
+    return {(True, True): "both conform",
+            (False, True): "the endpoint fails and its control conforms: speculation (or what differs from "
+                           "the control) changes the law",
+            (False, False): "both fail: the difference is not speculation's (numerics, quantisation, sampler "
+                            "defaults)",
+            (True, False): "the control fails and the endpoint conforms"}[(mine, theirs)]
+
+
+def render(report: dict) -> str:
+    """The report as terminal text: per setting, the verdict, the p-values, the effects, the power."""
+    lines = [f"verispec audit of {report['endpoint']} (model {report['model']}) against {report['target']}: "
+             f"{report['samples']} replies per setting, at most {report['max_tokens']} tokens, alpha "
+             f"{report['alpha']:g} (Holm over 5 statistics)"]
+    lines += [f"note: {n}" for n in report["notes"]]
+    for entry in report["settings"]:
+        for who in ("endpoint", "control"):
+            if who not in entry:
+                continue
+            e = entry[who]
+            r = e["result"]
+            verdict = "CONFORMS" if r["conforms"] else "DOES NOT CONFORM"
+            lines.append("")
+            lines.append(f"[{who}] {e['setting']}: {verdict} ({r['replies']} replies, {r['tokens']} tokens, "
+                         f"{r['stopped']} ended at a stop token)")
+            header = f"  {'statistic':10} {'value':>9} {'p':>10} {'Holm p':>10}"
+            lines.append(header)
+            for name, s in r["statistics"].items():
+                value = s.get("z", s.get("d"))
+                label = "D" if "d" in s else "z"
+                holm_p = r["holm"].get(name, math.nan)
+                lines.append(f"  {name:10} {label} {value:+7.3f} {s['p']:10.3g} {holm_p:10.3g}")
+            lines += [f"  - {w}" for w in e["effects"]]
+            caught = ", ".join(f"{k}: {'caught' if v['detected'] else 'NOT caught'}"
+                               for k, v in e["power"].items())
+            lines.append(f"  power (the claimed law at 5% off its temperature, same positions): {caught}")
+            if "too_few_tokens" in e:
+                lines.append(f"  - {e['too_few_tokens']}")
+            if not r["conforms"]:
+                b = e["best_fit"]
+                lines.append(f"  best-fitting law: {b['law']} ({b['gain_nats_per_token']:+.4f} nats/token "
+                             "over the claimed law)")
+            if "endpoint_logprobs" in e:
+                g = e["endpoint_logprobs"]
+                lines.append(f"  the endpoint's log-probs vs the claimed law: median |gap| "
+                             f"{g['median_gap_to_claimed_law']:.2g}, p99 {g['p99_gap_to_claimed_law']:.2g} "
+                             f"nats; vs the raw model {g['median_gap_to_raw_model']:.2g}")
+            for word, n in (("ambiguous (refused)", e["refused_ambiguous"]), ("empty", e["empty"])):
+                if n:
+                    lines.append(f"  - {n} repl(ies) {word}")
+        if "control" in entry:
+            lines.append(f"  reading: {entry['reading']}")
+    lines.append("")
+    lines.append("verdict: " + ("every setting conforms" if report["conforms"] else "DOES NOT CONFORM"))
+    return "\n".join(lines)
+
+
+def load_prompts(path: str) -> list[str]:
+    """Prompts from a file: JSONL with a "prompt" field per line, or plain text, one prompt a line."""
+    raw = read_regular_file(Path(path), 64 * 2**20, "prompts file").decode("utf-8")
+    prompts = []
+    for number, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                raise AuditError(f"{path}, line {number}: not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise AuditError(f"{path}, line {number}: a JSON line needs a non-empty \"prompt\" string")
+            prompts.append(row["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise AuditError(f"{path} holds no prompt")
+    return prompts
+
+
+__all__ = ["AuditConfig", "AuditError", "run_audit", "render", "load_prompts"]
