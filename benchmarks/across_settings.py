@@ -5,7 +5,8 @@ the report's own code (`verispec.evaluation.comparisons`, `stats.holm`): the REA
 the five settings" figures, as a command instead of arithmetic in prose.
 
 Each setting is its own declared family; this correction is not any plan's, and is printed as a reading
-across plans (README, 'Findings on the Qwen2.5-Coder pair'). A reading that decided at an interim look
+across plans (docs/findings.md, 'Findings on the Qwen2.5-Coder pair'). A reading that decided at an
+interim look
 (MT-Bench seed 0: look 1, 40 questions) is taken on that look's prefix, where its Holm p was computed;
 one read at a later look after other comparisons were rejected at an earlier one (MT-Bench T = 0.7: cos
 at look 1) takes Holm over the comparisons still open, as the report does (docs/design.md, 'Planned

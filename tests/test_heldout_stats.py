@@ -158,7 +158,7 @@ def test_across_settings_reproduces_the_readmes_bonferroni_figures(capsys):
     # read at its last look, MT-Bench seed 0's gate was itself rejected at look 1: refused, not miscounted
     with pytest.raises(ValueError, match="rejected at an earlier look"):
         across.gate_holm_p("qwen-mtbench", None)
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "findings.md").read_text()
     for figures in ("0.0145 to 0.072", "0.026 to 0.13", "0.007 to 0.035", "0.0005 to 0.0026", "0.062 to 0.31",
                     "2.3e-5 to 1.2e-4", "0.0042 to 0.021"):
         assert figures in readme, figures

@@ -185,6 +185,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if (args.endpoint is None) == (args.engine == "endpoint"):
+        raise ValueError("--endpoint URL audits a server; --engine transformers-assisted runs in this "
+                         "process and takes no --endpoint")
     if (args.prompts is None) == (args.suite is None):
         raise ValueError("give the prompts: --prompts FILE or --suite NAME (one of them)")
     chat = args.chat
@@ -203,7 +206,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     settings = tuple(Sampling(t, args.top_k, args.top_p, args.min_p) for t in args.temperature)
     config = AuditConfig(endpoint=args.endpoint, target=args.target, prompts=prompts, samples=args.samples,
                          settings=settings, max_tokens=args.max_tokens, seed=args.seed, alpha=args.alpha,
-                         control=args.control, model=args.model, extra=extra, chat=chat,
+                         control=args.control, model=args.model, extra=extra, chat=chat, engine=args.engine,
+                         assistant_layers=args.assistant_layers, neutral=not args.engine_defaults,
                          dtype=as_dtype(args.dtype), timeout=args.timeout)
     report = run_audit(config, progress=not args.no_progress)
     print(json.dumps(json_safe(report), indent=1) if args.json else render(report))
@@ -475,7 +479,17 @@ def build_parser() -> argparse.ArgumentParser:
 def add_audit_parser(sub) -> None:
     audit = sub.add_parser("audit", help="test whether a serving endpoint samples the law it claims "
                                          "(exit 0: conforms, 1: does not, 2: could not run)")
-    audit.add_argument("--endpoint", required=True, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    audit.add_argument("--endpoint", default=None,
+                       help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    audit.add_argument("--engine", default="endpoint", choices=["endpoint", "transformers-assisted"],
+                       help="endpoint (default): the server at --endpoint; transformers-assisted: "
+                            "transformers' generate(assistant_model=...) in this process, on --target's "
+                            "own weights")
+    audit.add_argument("--assistant-layers", type=int, default=8,
+                       help="transformers-assisted: the assistant is --target cut to its first N layers")
+    audit.add_argument("--engine-defaults", action="store_true",
+                       help="transformers-assisted: keep the model's generation_config sampler defaults "
+                            "(transformers' top_k=50 among them) instead of neutralising them")
     audit.add_argument("--target", required=True, help="the reference: the model the endpoint serves "
                                                         "(a named model, HF directory or GGUF)")
     audit.add_argument("--model", default=None,

@@ -10,12 +10,15 @@ told from its text is refused and counted, never guessed).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 
 class EndpointError(RuntimeError):
@@ -125,18 +128,30 @@ class Endpoint:
         return Reply(ids, finish, text, _returned_logprobs(choice), source)
 
 
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _returned_ids(choice: dict, out: dict) -> list[int] | None:
+    """The reply's token ids where the response carries them: `token_ids` (verispec serve, vLLM with
+    return_token_ids), `tokens`, or llama.cpp's log-probability entries (`logprobs.content[].id`)."""
     for holder in (choice, out):
         for key in ("token_ids", "tokens"):
             ids = holder.get(key)
-            if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if isinstance(ids, list) and all(_is_id(t) for t in ids):
                 return list(ids)
+    content = choice.get("logprobs", {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if isinstance(content, list) and all(isinstance(e, dict) and _is_id(e.get("id")) for e in content):
+        return [e["id"] for e in content]
     return None
 
 
 def _returned_logprobs(choice: dict) -> list[float] | None:
     logprobs = choice.get("logprobs")
     values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if values is None and isinstance(content, list) and all(isinstance(e, dict) for e in content):
+        values = [e.get("logprob") for e in content]  # llama.cpp's (and chat's) shape
     if not isinstance(values, list):
         return None
     out = []
@@ -148,3 +163,53 @@ def _returned_logprobs(choice: dict) -> list[float] | None:
         else:
             return None
     return out
+
+
+class AssistedGeneration:
+    """An in-process engine: transformers' `generate(..., assistant_model=...)` (assisted generation, which
+    verifies an assistant's drafts by speculative sampling when sampling), on a model verispec loads by
+    name or path (`hf` = the reference's own transformers model). The assistant is the same model cut to
+    its first `assistant_layers` layers (the model's own weights, as verispec's `self:layers=N` drafter).
+    `neutral`: pass top_k=0 / top_p=1 / min_p=None unless the setting names them, so the claim is the
+    plain tempered law; False leaves the model's generation_config defaults (transformers' top_k=50
+    among them), which an audit then reads as a law other than the claim."""
+
+    def __init__(self, hf, assistant_layers: int = 8, neutral: bool = True, name: str = "assisted"):
+        if (isinstance(assistant_layers, bool) or not isinstance(assistant_layers, int)
+                or assistant_layers < 1):
+            raise ValueError(f"--assistant-layers must be an integer >= 1, got {assistant_layers!r}")
+        layers = hf.config.num_hidden_layers
+        if assistant_layers >= layers:
+            raise ValueError(f"--assistant-layers {assistant_layers}: the model has {layers} layers; an "
+                             "assistant must be smaller")
+        self.hf, self.neutral, self.model = hf, neutral, name
+        assistant = copy.deepcopy(hf)
+        inner = assistant.model if hasattr(assistant, "model") else assistant
+        inner.layers = inner.layers[:assistant_layers]
+        assistant.config.num_hidden_layers = assistant_layers
+        self.assistant = assistant.eval()
+
+    def served_model(self) -> str:
+        return self.model
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling, seed: int,
+                 decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
+                 stop_ids: list[int]) -> Reply:
+        options: dict = {"temperature": sampling.temperature}
+        if self.neutral or sampling.top_k is not None:
+            options["top_k"] = sampling.top_k or 0
+        if self.neutral or sampling.top_p is not None:
+            options["top_p"] = sampling.top_p if sampling.top_p is not None else 1.0
+        if sampling.min_p is not None:
+            options["min_p"] = sampling.min_p
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([prompt_ids]), do_sample=True, max_new_tokens=max_tokens,
+                                   assistant_model=self.assistant, eos_token_id=list(stop_ids) or None,
+                                   pad_token_id=stop_ids[0] if stop_ids else None, **options)
+        ids = [int(t) for t in out[0, len(prompt_ids):]]
+        if stop_ids:
+            cut = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+            ids = ids if cut is None else ids[: cut + 1]
+        finish = "stop" if ids and ids[-1] in stop_ids else "length"
+        return Reply(ids, finish, decode(ids), None, "endpoint")

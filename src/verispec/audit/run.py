@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from verispec.api import encode_prompt, resolve_target
-from verispec.audit.endpoint import Endpoint, EndpointError, Sampling
+from verispec.audit.endpoint import AssistedGeneration, Endpoint, EndpointError, Sampling
 from verispec.audit.stats import Audit, effects_in_words, log_likelihood
 from verispec.decode import stop_ids
 from verispec.evaluation.store import read_regular_file
@@ -37,7 +37,11 @@ POWER = (0.95, 1.05)  # the power check's samplers: the claimed law at these mul
 CANDIDATES = ([(f"T x {m:g}", m, None, None, None) for m in (0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5)]
               + [("top-k 40", 1.0, 40, None, None), ("top-p 0.95", 1.0, None, 0.95, None),
                  ("min-p 0.05", 1.0, None, None, 0.05),
-                 ("llama.cpp defaults (top-k 40, top-p 0.95, min-p 0.05)", 1.0, 40, 0.95, 0.05)])
+                 ("llama.cpp defaults (top-k 40, top-p 0.95, min-p 0.05)", 1.0, 40, 0.95, 0.05),
+                 ("top-k 50 (transformers' default)", 1.0, 50, None, None)])
+
+
+ENGINES = ("endpoint", "transformers-assisted")
 
 
 class AuditError(ValueError):
@@ -55,6 +59,11 @@ class AuditConfig:
     seed: int = 0
     alpha: float = 0.01
     control: str | None = None
+    # "endpoint" (an OpenAI-compatible server at `endpoint`) or "transformers-assisted" (in-process
+    # `generate(assistant_model=...)` on the reference's own weights; `assistant_layers`, `neutral`)
+    engine: str = "endpoint"
+    assistant_layers: int = 8
+    neutral: bool = True
     model: str | None = None
     extra: dict = field(default_factory=dict)
     chat: bool | None = None
@@ -237,18 +246,33 @@ def run_audit(config: AuditConfig, progress: bool = False) -> dict:
     """The whole audit (every setting, the endpoint and the control) as a JSON-able report; `conforms`
     is False when any setting of the endpoint fails."""
     config.validate()
+    if config.engine not in ENGINES:
+        raise AuditError(f"--engine must be one of {', '.join(ENGINES)}, got {config.engine!r}")
     try:
-        endpoint = Endpoint(config.endpoint, config.model, config.timeout, dict(config.extra))
+        endpoint = (Endpoint(config.endpoint, config.model, config.timeout, dict(config.extra))
+                    if config.engine == "endpoint" else None)
         control = (Endpoint(config.control, config.model, config.timeout, dict(config.extra))
                    if config.control else None)
     except ValueError as err:
         raise AuditError(str(err)) from None
     reference = Reference(config.target, config.dtype, config.chat)
+    if endpoint is None:
+        hf = getattr(reference.model, "model", None)
+        if hf is None or not hasattr(hf, "generate"):
+            raise AuditError(f"--engine transformers-assisted needs a transformers model as --target, got "
+                             f"{config.target!r}")
+        try:
+            endpoint = AssistedGeneration(hf, config.assistant_layers, config.neutral,
+                                          f"transformers assisted generation ({config.target}, assistant: "
+                                          f"its first {config.assistant_layers} layers)")
+        except ValueError as err:
+            raise AuditError(str(err)) from None
     prompt_ids = [reference.encode(p) for p in config.prompts]
     notes = preflight(endpoint, reference, config, prompt_ids)
     if control is not None:
         notes += [f"control: {n}" for n in preflight(control, reference, config, prompt_ids)]
-    report = {"endpoint": config.endpoint, "model": endpoint.model, "target": config.target,
+    report = {"endpoint": config.endpoint if config.engine == "endpoint" else endpoint.model,
+              "model": endpoint.model, "target": config.target,
               "samples": config.samples, "max_tokens": config.max_tokens, "alpha": config.alpha,
               "notes": notes, "settings": []}
     for sampling in config.settings:
@@ -280,7 +304,8 @@ def _reading(entry: dict) -> str:
 
 def render(report: dict) -> str:
     """The report as terminal text: per setting, the verdict, the p-values, the effects, the power."""
-    lines = [f"verispec audit of {report['endpoint']} (model {report['model']}) against {report['target']}: "
+    model = "" if report["model"] == report["endpoint"] else f" (model {report['model']})"
+    lines = [f"verispec audit of {report['endpoint']}{model} against {report['target']}: "
              f"{report['samples']} replies per setting, at most {report['max_tokens']} tokens, alpha "
              f"{report['alpha']:g} (Holm over 5 statistics)"]
     lines += [f"note: {n}" for n in report["notes"]]

@@ -15,9 +15,9 @@ starting number, every intermediate a positive integer below 1000, every step dr
 The shown start is itself reached by BURN_IN hidden steps, so the numbers a step acts on have the same
 spread at every level (a chain started at a small number would do harder arithmetic the longer it
 runs), and no step undoes the one before. Each step is one more chance to slip; whether that makes
-the levels difficulty levels on a given model is measured, not assumed (README, 'A second graded
+the levels difficulty levels on a given model is measured, not assumed (docs/findings.md, 'A second graded
 task'). The first task's levels change the kind of problem too, and on the Qwen coder they are not
-ordered by difficulty (README, 'The graded task on the Qwen pair').
+ordered by difficulty (docs/findings.md, 'The graded task on the Qwen pair').
 
 A held-out set of the second task (suite `graded-steps-heldout`): the same rule from another seed, 80
 problems a level, none of whose questions is in `graded-steps`. It exists so that a pattern first seen on

@@ -144,7 +144,7 @@ def _text_metrics(output: str, item: Item) -> dict[str, float]:
 # (temperature 1, no truncation), computed by the decode loop, not from the text (units.make_row adds it to
 # every row's metrics). Higher: text the target finds likelier. Distinct-2 reads about 1.000 on every rule
 # of the default pair, so it cannot rank them; the likelihood separates the rules the distribution
-# metrics separate (README, 'Findings on the default pair').
+# metrics separate (docs/findings.md, 'Findings on the default pair').
 TARGET_LOGLIK = "target_loglik"
 
 

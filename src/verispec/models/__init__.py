@@ -82,7 +82,8 @@ MODELS.add("qwen2.5-coder-1.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_1_5B),
                                             default_draft="qwen2.5-coder-0.5b", stop_tokens=qwen.STOP_TOKENS))
 MODELS.add("qwen2.5-coder-0.5b", NamedModel(lambda: qwen.locate(qwen.QWEN_0_5B),
                                             default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS))
-# the lean forward with int4 weights (README 'int4 weights'): the 1.5B with the GGUF's own Q4_K codes where
+# the lean forward with int4 weights (docs/guide.md, 'Real model pair: Qwen2.5-Coder', int4 weights): the
+# 1.5B with the GGUF's own Q4_K codes where
 # the file has them (dense bf16 elsewhere), the 0.5B requantised to int4 throughout (a draft: its numerics
 # never change a lossless rule's output law)
 MODELS.add("qwen2.5-coder-1.5b-int4", NamedModel(
@@ -91,7 +92,8 @@ MODELS.add("qwen2.5-coder-1.5b-int4", NamedModel(
 MODELS.add("qwen2.5-coder-0.5b-int4", NamedModel(
     lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS, int4="all"))
 # the same, low-memory: prompts through the int4 kernel as well (slower prompts), so the dense bf16
-# tensors are never read after the build and leave the resident set (README 'int4 weights', memory)
+# tensors are never read after the build and leave the resident set (docs/guide.md,
+# 'Real model pair: Qwen2.5-Coder', int4 weights)
 MODELS.add("qwen2.5-coder-1.5b-int4-lowmem", NamedModel(
     lambda: qwen.locate(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-int4-lowmem",
     stop_tokens=qwen.STOP_TOKENS, int4="gguf", int4_gguf=lambda: qwen.gguf_path(qwen.QWEN_1_5B),
@@ -99,7 +101,8 @@ MODELS.add("qwen2.5-coder-1.5b-int4-lowmem", NamedModel(
 MODELS.add("qwen2.5-coder-0.5b-int4-lowmem", NamedModel(
     lambda: qwen.locate(qwen.QWEN_0_5B), default_draft="ngram:n=3", stop_tokens=qwen.STOP_TOKENS, int4="all",
     dense_prompts=False))
-# the same two GGUF files, run as is (quantized) by llama.cpp: the llamacpp extra (README)
+# the same two GGUF files, run as is (quantized) by llama.cpp: the llamacpp extra (docs/guide.md,
+# 'llama.cpp backend')
 MODELS.add("qwen2.5-coder-1.5b-gguf", NamedModel(
     lambda: qwen.gguf_path(qwen.QWEN_1_5B), default_draft="qwen2.5-coder-0.5b-gguf",
     stop_tokens=qwen.STOP_TOKENS, backend=llamacpp.BACKEND, sha256=qwen.QWEN_1_5B.sha256))

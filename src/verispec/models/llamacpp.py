@@ -22,12 +22,14 @@ logits by up to 0.5 (measured on the Qwen pair), enough to flip near-tied argmax
 off each path measured to do it: repacked weight layouts (`use_extra_bufts`), the tiled K-quant
 matmul for >= 8 rows (`GGML_CPU_TILED_MM=0`, set by `library()` unless already set), flash attention
 (its split-KV path for one query over >= 512 cells and its tiled path for >= 64 queries), and, at
-build time, llamafile's tinyBLAS for >= 2 rows (`-DGGML_LLAMAFILE=OFF`; README). `batch_invariant`
+build time, llamafile's tinyBLAS for >= 2 rows (`-DGGML_LLAMAFILE=OFF`; docs/guide.md, 'llama.cpp
+backend'). `batch_invariant`
 says whether all of them are off; the tests check the logits are then identical.
 
 Threads: `threads=`, else the one setting of every entry point (`verispec.threads.resolve_threads`:
 `$VERISPEC_THREADS`, else the physical cores this process may use).
-Install: `pip install "verispec[llamacpp]"` builds llama-cpp-python from source (README).
+Install: `pip install "verispec[llamacpp]"` builds llama-cpp-python from source (docs/guide.md,
+'llama.cpp backend').
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ TILED_ENV = "GGML_CPU_TILED_MM"  # ggml reads it once, at its first matmul: 0 tu
 FLASH_ATTN_AUTO, FLASH_ATTN_DISABLED = -1, 0  # llama_flash_attn_type
 log = logging.getLogger(__name__)
 INSTALL_HINT = ('the llama.cpp backend needs llama-cpp-python: pip install "verispec[llamacpp]" '
-                "(built from source; see the README, 'llama.cpp backend')")
+                "(built from source; see the docs/guide.md, 'llama.cpp backend')")
 
 
 _LIB = None
@@ -104,7 +106,7 @@ def invariance_breakers() -> list[str]:
     found = []
     if build_features().get("LLAMAFILE") == "1":
         found.append("llama-cpp-python was built with llamafile's tinyBLAS (rebuild with "
-                     "CMAKE_ARGS=-DGGML_LLAMAFILE=OFF, README 'llama.cpp backend')")
+                     "CMAKE_ARGS=-DGGML_LLAMAFILE=OFF, docs/guide.md, 'llama.cpp backend')")
     if os.environ.get(TILED_ENV, "0").strip() != "0":
         found.append(f"{TILED_ENV}={os.environ[TILED_ENV]} turns ggml's tiled matmul on")
     return found

@@ -1,4 +1,4 @@
-"""The continuous-batching engine of `verispec serve` (README.md, 'Serving').
+"""The continuous-batching engine of `verispec serve` (docs/serving.md, 'Serving').
 
 One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule, one draft shape
 (chain, or a tree: `DecodeConfig.tree`) and one sampling setting, so requests are grouped by (rule,
