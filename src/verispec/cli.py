@@ -110,10 +110,12 @@ DEMO_RULES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l
 
 
 def print_report(results: str, html: str | None = None, markdown: bool = False,
-                 columns: list[str] | None = None, looks_taken: int = 1, problems: int | None = None) -> int:
-    """Print a sweep's report table and write its HTML report (the path is printed)."""
+                 columns: list[str] | None = None, looks_taken: int = 1, problems: int | None = None,
+                 brief: bool = False) -> int:
+    """Print a sweep's report table and write its HTML report (the path is printed); `brief`: the
+    demo's story and compact table instead of every table."""
 
-    table, html_path = write_report(results, html, markdown, columns, looks_taken, problems)
+    table, html_path = write_report(results, html, markdown, columns, looks_taken, problems, brief=brief)
     print(table)
     print(f"\nHTML report: {html_path.resolve()}")
     return 0
@@ -181,7 +183,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"verispec demo: {len(spec.configs())} configs x {args.prompts} prompts x 2 seeds on the "
           f"default pair (resumes if {args.out} already holds this sweep)", file=sys.stderr)
     run_sweep(spec, args.out, resume=True, progress=not args.no_progress, batch_size=8)
-    return print_report(args.out)
+    return print_report(args.out, brief=not args.full)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -419,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="verispec-demo")
     demo.add_argument("--prompts", type=int, default=8)
     demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--full", action="store_true",
+                      help="print every table, not the story and the compact table")
     demo.set_defaults(func=cmd_demo)
     srv = sub.add_parser("serve", help="OpenAI-compatible server; every response carries its "
                                        "verification report")

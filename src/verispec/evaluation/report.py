@@ -415,6 +415,61 @@ def select_columns(head: list[str], body: list[list[str]],
     return [head[i] for i in idx], [[row[i] for i in idx] for row in body]
 
 
+def _num(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def _against(s: dict, baseline: str) -> str:
+    """A row's score against its baseline in words: its paired difference, and whether it is below."""
+    diff, half = s.get("score_diff"), s.get("score_diff_ci")
+    if not isinstance(diff, (int, float)) or not math.isfinite(diff):
+        return f"no score pairs with {baseline}"
+    finite = isinstance(half, float) and math.isfinite(half)
+    interval = f"{diff:+.3f} ± {half:.3f}" if finite else f"{diff:+.3f}"
+    verdict = ("significantly below" if s.get("flag") else "above, not significantly" if diff > 0
+               else "below, not significantly")
+    score = ("the target's log-likelihood a token (a shift measure)" if s["score_name"] == "target_loglik"
+             else s["score_name"])
+    return f"{score} {interval} against {baseline} ({verdict})"
+
+
+def story(summary: list[dict]) -> list[str]:
+    """What a run showed, in words with its numbers, one line per rule family present: truncation gates
+    against honest truncation sampling of the target (their baseline), the collaborative rules by the
+    draft's overshoot they let through, the budget rule against its bound, and lossless decoding's
+    exactness. The demo's opening lines and the HTML report's lead."""
+    lines = []
+    by_rule = {s["rule"]: s for s in summary}
+    gates = [s for s in summary if s["family"] == "truncation"]
+    for s in gates:
+        honest = by_rule.get(f"honest:{s['rule']}")
+        name = s["rule"].split(",resample=")[0]
+        lines.append(f"truncation gate {name}: {_num(s['speedup'], '.2f')}x plain's speed, TV "
+                     f"{_num(s['tv'], '.3f')} from the target; "
+                     + (_against(s, f"honest {name.split(':')[0]} sampling (the same truncation, "
+                                    "done losslessly)") if honest is not None
+                        else "no honest baseline in this run"))
+    collaborative = [s for s in summary if s["family"] == "collaborative"]
+    for s in collaborative:
+        capped = s["rule"].startswith("lenience")
+        lines.append(f"collaborative {s['rule']}: overshoot p95 {_num(s['overshoot_p95'], '.2f')} ("
+                     + ("capped at 1/l" if capped else "not capped") + f"), TV {_num(s['tv'], '.3f')}, "
+                     f"{_num(s['speedup'], '.2f')}x plain's speed; " + _against(s, "lossless"))
+    for s in (s for s in summary if s["rule"].startswith("budget")):
+        bound = s["rule"].split("tv=")[1].split(",")[0] if "tv=" in s["rule"] else "?"
+        within = isinstance(s["tv"], float) and s["tv"] <= float(bound) + 1e-9 if bound != "?" else False
+        lines.append(f"bounded {s['rule']}: TV {_num(s['tv'], '.3f')} ({'within' if within else 'over'} its "
+                     f"bound {bound}), overshoot p95 {_num(s['overshoot_p95'], '.2f')}, "
+                     f"{_num(s['speedup'], '.2f')}x plain's speed; " + _against(s, "lossless"))
+    for s in (s for s in summary if s["rule"] == "lossless"):
+        lines.append(f"lossless: TV {_num(s['tv'], '.3f')} (exact), {_num(s['speedup'], '.2f')}x plain's "
+                     f"speed at acceptance {_num(s['acceptance_rate'], '.2f')}")
+    return lines
+
+
+STORY_COLUMNS = ("config", "speedup", "TV", "overshoot p95", "Δscore vs baseline")
+
+
 def terminal_table(summary: list[dict], markdown: bool = False, columns: Sequence[str] | None = None) -> str:
     """The report table as aligned text, or (`markdown`) a GitHub markdown table, with its legend;
     `columns`: only these (header names, e.g. a README's narrower table)."""
@@ -530,10 +585,15 @@ def _html_table(head: list[str], body: list[list[str]], classes: list[str] | Non
 
 
 def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "") -> str:
-    """The self-contained HTML report; `outcomes`: the text of `outcome_sections`, shown as it prints."""
+    """The self-contained HTML report; `outcomes`: the text of `outcome_sections`, shown as it prints.
+    It leads with what the run showed (`story`) and the speed-vs-shift plot."""
     head, body = table_rows(summary)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    lead = story(summary)
+    if lead:
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in lead)
+        parts.append(f"<h2>What this run showed</h2><ul>{items}</ul>")
     parts.append("<p class='note'>" + " &middot; ".join(f"{html.escape(str(k))}: {html.escape(str(v))}"
                                                         for k, v in meta.items()) + "</p>")
     parts.append("<h2>Speed, shift and quality per rule</h2>")
@@ -561,6 +621,8 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
         parts.append("<h2>Length outcomes and planned comparisons</h2>"
                      f"<pre>{html.escape(outcomes.strip())}</pre>")
     figs = plots(summary)
+    parts.insert(3 if lead else 2, "<h3>Speed vs shift (Pareto frontier dashed)</h3><img "
+                 f"alt='speed_vs_fidelity_lead' src='data:image/png;base64,{figs['speed_vs_fidelity']}'>")
     for name, caption in (("speed_vs_fidelity", "Speed vs fidelity (Pareto frontier dashed)"),
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
         parts.append(f"<h3>{caption}</h3><img alt='{name}' src='data:image/png;base64,{figs[name]}'>")
@@ -921,7 +983,7 @@ def sweep_progress(results_dir: str | Path, problems: int | None = None) -> str:
 
 def write_report(results_dir: str | Path, html_path: str | Path | None = None,
                  markdown: bool = False, columns: Sequence[str] | None = None,
-                 looks_taken: int = 1, problems: int | None = None) -> tuple[str, Path]:
+                 looks_taken: int = 1, problems: int | None = None, brief: bool = False) -> tuple[str, Path]:
     """Summarise OUT_DIR/results.jsonl: returns the terminal table (`markdown`: as a GitHub markdown
     table, e.g. for a README; `columns`: only these, by header name) and the path of the HTML report
     (every column). `looks_taken`: how often a fixed-design sweep's comparisons have been read
@@ -952,6 +1014,10 @@ def write_report(results_dir: str | Path, html_path: str | Path | None = None,
     html_path = Path(html_path) if html_path else path.parent / "report.html"
     outcomes = outcome_sections(rows, settings, looks_taken)
     html_path.write_text(render_html(summary, "verispec report", meta, outcomes), encoding="utf-8")
+    if brief:  # the demo: what it showed in words, then one compact table; the rest is in the HTML
+        lines = ["what this run showed:", *(f"- {line}" for line in story(summary)), ""]
+        return "\n".join(lines) + terminal_table(summary, markdown, list(STORY_COLUMNS)) + (
+            f"\n(the full tables: {html_path}, or verispec report {path.parent})"), html_path
     table = terminal_table(summary, markdown, columns) + outcomes
     return table + "".join(f"\nnote: {n}" for n in notes), html_path
 
