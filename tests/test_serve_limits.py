@@ -87,8 +87,10 @@ def test_a_body_that_never_finishes_gets_408_and_its_connection_closes(limited):
     assert 1.5 < took < 8, took  # --body-timeout 2 s, then the server closes the connection
 
 
-def test_a_large_prompt_is_tokenized_off_the_event_loop(limited):
-    """A 3 MB prompt (under the limit) takes the tokenizer a while; /health answers meanwhile."""
+def test_a_large_prompt_is_tokenized_off_the_event_loop(limited, monkeypatch):
+    """A 3 MB prompt (under the body limit; the length check that would refuse it for this small
+    context is switched off here) takes the tokenizer a while; /health answers meanwhile."""
+    monkeypatch.setattr(limited.app.state.server, "max_prompt_chars", None)
     prompt = "KING RICHARD: " + "my lord, " * 330_000
     result = {}
 
@@ -105,6 +107,21 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(limited):
     poster.join(120)
     assert result["resp"].status_code == 200 and result["resp"].json()["count"] > 100_000
     assert times and max(times) < 1.0, max(times)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(limited):
+    """No token of the default pair is longer than 29 characters, so a 60,000-character prompt cannot fit
+    its 2,048-token context: refused from its length, not after tokenizing it."""
+    server = limited.app.state.server
+    assert server.context == 2048 and server.max_prompt_chars == 2048 * 29
+    for path, body in (("/v1/completions", {"prompt": "a" * 60_000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 60_000}]}),
+                       ("/tokenize", {"prompt": "a" * 60_000})):
+        resp = httpx.post(limited.url + path, json=body, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    fits = httpx.post(limited.url + "/tokenize", json={"prompt": "a" * 50_000}, timeout=30)
+    assert fits.status_code == 200  # under the bound: tokenized (its tokens decide)
 
 
 def test_tokenize_refuses_prompt_and_messages_together(limited):

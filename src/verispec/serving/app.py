@@ -179,6 +179,7 @@ class Server:
         self.model_name = config.served_model_name or getattr(self.target, "name", None) or config.target
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
+        self.max_prompt_chars = _max_prompt_chars(self.target, self.context)
         self.metrics = Metrics(config.k, self.model_name)
         self.engine = Engine(self.target, self.drafter, config, self.metrics)
 
@@ -287,7 +288,16 @@ class Server:
             raise APIError(400, message, "verification.rule", "invalid_rule") from None
 
     def encode(self, body: dict, chat: bool) -> list[int]:
-        """The prompt's token ids ('messages' for chat, else 'prompt'); APIError (400) if unusable."""
+        """The prompt's token ids ('messages' for chat, else 'prompt'); APIError (400) if unusable, and
+        before tokenizing when its text is too long to fit the context whatever its tokens
+        (`_max_prompt_chars`)."""
+        if self.max_prompt_chars is not None:
+            text = _text_length(body.get("messages") if chat else body.get("prompt"))
+            if text > self.max_prompt_chars:
+                raise APIError(400, f"the prompt's {text} characters cannot fit this model's context of "
+                                    f"{self.context} tokens (no token is longer than "
+                                    f"{self.max_prompt_chars // self.context} characters)",
+                               "messages" if chat else "prompt", "context_length_exceeded")
         try:
             if chat:
                 if "messages" not in body:
@@ -482,6 +492,31 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
+def _max_prompt_chars(target, context: int | None) -> int | None:
+    """The most characters a prompt that fits `context` tokens can have: context x the longest token of
+    the vocabulary (its string in the tokenizer's vocabulary, which a token's decoded text never exceeds:
+    byte-level and SentencePiece pieces map one symbol to at least one character). None when unknown."""
+    vocab = getattr(getattr(target, "tokenizer", None), "get_vocab", None)
+    if context is None or not callable(vocab):
+        return None
+    try:
+        longest = max((len(piece) for piece in vocab()), default=0)
+    except (TypeError, ValueError):
+        return None
+    return context * longest if longest > 0 else None
+
+
+def _text_length(value) -> int:
+    """Characters of a prompt string or of chat messages' string contents (other shapes: 0, left to
+    the parser's own errors)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(m["content"]) for m in value
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is answered 413 (at once when its Content-Length
     says so, else as soon as the bytes received pass it), and a body not received within `timeout`
@@ -630,7 +665,10 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         if not chat and not isinstance(body.get("prompt"), str):
             raise APIError(400, "'prompt' must be a string (or send 'messages')", "prompt")
         ids = await off_loop(server.encode, body, chat)
-        return {"tokens": ids, "count": len(ids), "max_model_len": server.context}
+        # serialised off the loop too: a long prompt's ids are a large JSON array
+        content = await off_loop(lambda: json.dumps({"tokens": ids, "count": len(ids),
+                                                     "max_model_len": server.context}).encode())
+        return Response(content, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
