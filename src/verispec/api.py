@@ -285,12 +285,30 @@ def encode_prompt(model, prompt: str | list[int], chat: bool | None = None) -> l
     return model.encode(prompt)
 
 
+def _content_text(content):
+    """A message's content as text: a string as is; OpenAI's list of parts ([{"type": "text", "text":
+    ...}, ...]) joined, a part of any other type (an image, audio) refused; anything else unchanged (the
+    caller refuses it)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message content parts must be text parts ({{'type': 'text', 'text': ...}}); "
+                             f"got {kind!r}: this server takes text only")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def encode_messages(model, messages: list[dict]) -> list[int]:
     """Chat messages ([{"role", "content"}, ...]) -> token ids: the tokenizer's chat template (with the
     generation prompt) when it has one; otherwise the contents joined by newlines, ending with one, as
     plain text (roles dropped: the default pair is a plain Shakespeare model with no chat format)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
+    messages = [dict(m, content=_content_text(m.get("content"))) if isinstance(m, dict) else m
+                for m in messages]
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
             raise ValueError("each message must be an object with string 'role' and 'content'")

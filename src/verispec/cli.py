@@ -231,6 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("VERISPEC_API_KEY") or None,
+        allowed_origins=tuple(args.allowed_origins or ()),
     )
     if not args.ray:
         for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address),
@@ -461,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--default-max-tokens", type=int, default=64)
     srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                      help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every request but /health "
+                          "(default: $VERISPEC_API_KEY; unset: no key)")
+    srv.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                     help="CORS: browser origins allowed to call the API, e.g. https://app.example "
+                          "('*': any)")
     srv.add_argument("--body-timeout", type=float, default=30.0,
                      help="seconds a client has to send its request body; then 408 (default 30)")
     srv.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,

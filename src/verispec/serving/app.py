@@ -30,6 +30,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from verispec import defaults
 from verispec.version import __version__ as VERSION
@@ -517,6 +518,40 @@ def _text_length(value) -> int:
     return 0
 
 
+OPEN_PATHS = ("/health",)  # answered without the API key (a load balancer's probe)
+
+
+class Gateway:
+    """ASGI middleware for a server behind a gateway: the API key (`Authorization: Bearer KEY`, 401 in
+    OpenAI's shape otherwise; /health stays open) and a request id, taken from the client's
+    `X-Request-Id` or made here, echoed on every response."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"")[:128]
+        usable = given and given.isascii() and given.decode().isprintable()
+        request_id = given if usable else secrets.token_hex(8).encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                extra = (b"x-request-id", request_id)
+                message = {**message, "headers": [*message.get("headers", []), extra]}
+            await send(message)
+
+        guarded = scope.get("path") not in OPEN_PATHS and scope.get("method") != "OPTIONS"
+        if (self.api_key is not None and guarded
+                and not secrets.compare_digest(headers.get(b"authorization", b""),
+                                               f"Bearer {self.api_key}".encode())):
+            return await _send_error(send_with_id, 401, "a valid API key is required: send 'Authorization: "
+                                     "Bearer KEY' (the server's --api-key)", "invalid_api_key")
+        await self.app(scope, receive, send_with_id)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` is answered 413 (at once when its Content-Length
     says so, else as soon as the bytes received pass it), and a body not received within `timeout`
@@ -557,10 +592,11 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-async def _send_error(send, status: int, message: str) -> None:
+async def _send_error(send, status: int, message: str, code: str | None = None) -> None:
     """An error in OpenAI's shape, sent by ASGI middleware (before the app runs); the connection closes."""
+    code = code or ("request_too_large" if status == 413 else None)
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": "request_too_large" if status == 413 else None}}).encode()
+                                 "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
@@ -600,6 +636,11 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                              "$ref": "#/components/schemas/VerispecResponseFields"}}}}}
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=server.config.max_body_bytes, timeout=server.config.body_timeout)
+    if server.config.allowed_origins:  # a browser's preflight (OPTIONS) and its CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.config.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=["x-request-id", REPLICA_HEADER])
+    app.add_middleware(Gateway, api_key=server.config.api_key)  # outermost: before any body is read
     # JSON parsing and tokenizing off the event loop (one thread: the tokenizer is not shared between
     # threads), so a large prompt does not hold up /health or the streams of other requests
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
@@ -687,7 +728,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "verispec"}]}
+                                            "owned_by": "verispec", "max_model_len": server.context}]}
 
     @app.get("/metrics")
     async def metrics():

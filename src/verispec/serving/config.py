@@ -59,6 +59,8 @@ class ServeConfig:
     max_tree_nodes: int = 64  # the most drafted nodes a tree block may have (a request's or --tree's)
     max_body_bytes: int = 8 * 2**20  # a larger request body is answered 413 before it is read or parsed
     body_timeout: float = 30.0  # seconds a client has to send its whole body; then 408
+    api_key: str | None = None  # requests must send "Authorization: Bearer KEY" (all but /health); None: open
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
@@ -80,6 +82,8 @@ class ServeConfig:
         g = self.shutdown_grace
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not (math.isfinite(g) and g >= 0):
             raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {g!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("--api-key must be a non-empty string")
         t = self.body_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"--body-timeout must be a number of seconds > 0, got {t!r}")

@@ -1,0 +1,83 @@
+"""`verispec serve` behind a gateway: an API key (401 in OpenAI's shape without it, /health open, the
+openai client's own header accepted), CORS for the allowed origins (a browser's preflight answered), a
+request id echoed (the client's or a new one), `max_model_len` in /v1/models, and chat content given as
+OpenAI's list of text parts. Loopback only."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from test_serve import Running  # noqa: E402
+
+from verispec.serving.config import ServeConfig  # noqa: E402
+
+KEY = "sk-test-0123"
+
+
+@pytest.fixture(scope="module")
+def gated():
+    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=4, max_queue=8,
+                                  default_max_tokens=4, api_key=KEY,
+                                  allowed_origins=("https://app.example",)))
+    yield running
+    running.close()
+
+
+def test_the_api_key_is_required_but_for_health(gated):
+    assert httpx.get(gated.url + "/health", timeout=10).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        resp = httpx.post(gated.url + "/v1/completions", json={"prompt": "KING", "max_tokens": 2},
+                          headers=headers, timeout=30)
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+    assert httpx.get(gated.url + "/v1/models", timeout=10).status_code == 401
+    client = openai.OpenAI(base_url=gated.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    out = client.completions.create(model="default", prompt="KING", max_tokens=3, seed=1)
+    assert out.choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gated.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_cors_preflight_and_headers_for_allowed_origins_only(gated):
+    preflight = httpx.options(gated.url + "/v1/completions", timeout=10, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(gated.url + "/v1/completions", timeout=10, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert other.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_a_request_id_is_echoed_or_made(gated):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    mine = httpx.get(gated.url + "/v1/models", headers={**auth, "X-Request-Id": "abc-123"}, timeout=10)
+    assert mine.headers["x-request-id"] == "abc-123"
+    made = httpx.get(gated.url + "/v1/models", headers=auth, timeout=10)
+    assert len(made.headers["x-request-id"]) == 16
+    assert httpx.get(gated.url + "/health", timeout=10).headers["x-request-id"]
+    models = made.json()["data"][0]
+    assert models["max_model_len"] == 2048
+
+
+def test_chat_content_as_a_list_of_text_parts(gated):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    parts = [{"role": "user", "content": [{"type": "text", "text": "KING "},
+                                          {"type": "text", "text": "LEAR"}]}]
+    plain = [{"role": "user", "content": "KING LEAR"}]
+    tokens = [httpx.post(gated.url + "/tokenize", json={"messages": m}, headers=auth,
+                         timeout=30).json()["tokens"] for m in (parts, plain)]
+    assert tokens[0] == tokens[1]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    resp = httpx.post(gated.url + "/v1/chat/completions", json={"messages": image, "max_tokens": 2},
+                      headers=auth, timeout=30)
+    assert resp.status_code == 400 and "text parts" in resp.json()["error"]["message"], resp.text
+
+
+def test_a_blank_api_key_is_refused():
+    with pytest.raises(ValueError, match="--api-key"):
+        ServeConfig(target="default", draft="default-draft", api_key="  ")
