@@ -137,6 +137,7 @@ def test_a_broken_lossless_sampler_fails(server, monkeypatch):
     assert not report["conforms"], report["settings"][0]["endpoint"]["result"]["holm"]
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_bad_input(server, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")

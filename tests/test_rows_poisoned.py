@@ -60,6 +60,7 @@ def poison(out: Path, line: int, **changes) -> dict:
     return row
 
 
+@pytest.mark.slow
 def test_a_hand_edited_max_new_tokens_is_refused_on_resume_naming_a_row(sweep, tmp_path, capsys):
     out = copy_of(sweep, tmp_path)
     settings_path = out / "sweep.json"
@@ -74,10 +75,12 @@ def test_a_hand_edited_max_new_tokens_is_refused_on_resume_naming_a_row(sweep, t
     assert (out / "results.jsonl").read_bytes() == before  # nothing decoded beside them
 
 
+@pytest.mark.slow
 def test_rows_record_their_token_cap(sweep):
     assert {r["max_new_tokens"] for r in read_rows(sweep / "results.jsonl")} == {6}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field,value,why", [
     ("score", True, "score True is not a number"),
     ("tokens", -5, "not non-negative integers: tokens"),
@@ -102,6 +105,7 @@ def test_a_poisoned_row_is_named_by_report_and_decoded_again_by_resume(sweep, tm
     assert again["token_ids"] == original["token_ids"]  # the same unit, the same tokens
 
 
+@pytest.mark.slow
 def test_reuse_never_copies_a_poisoned_row(sweep, tmp_path):
     source = copy_of(sweep, tmp_path, "source")
     lossless = next(i for i, line in enumerate(lines_of(source / "results.jsonl"), 1)
@@ -115,6 +119,7 @@ def test_reuse_never_copies_a_poisoned_row(sweep, tmp_path):
     assert len(rows) == 4 and len(copied) == 1 and all(math.isfinite(r["mean_tv"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_a_deeply_nested_line_is_named_not_a_recursion_error(sweep, tmp_path, capsys):
     out = copy_of(sweep, tmp_path)
     lines = lines_of(out / "results.jsonl")

@@ -35,6 +35,7 @@ def _health_seconds(url: str) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_50_mb_body_gets_413_at_once_without_delaying_health(limited):
     body = b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}'
     slowest, done = [], threading.Event()
@@ -71,6 +72,7 @@ def test_a_chunked_body_past_the_limit_gets_413(limited):
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large", resp.text[:300]
 
 
+@pytest.mark.slow
 def test_a_body_that_never_finishes_gets_408_and_its_connection_closes(limited):
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -87,6 +89,7 @@ def test_a_body_that_never_finishes_gets_408_and_its_connection_closes(limited):
     assert 1.5 < took < 8, took  # --body-timeout 2 s, then the server closes the connection
 
 
+@pytest.mark.slow
 def test_a_large_prompt_is_tokenized_off_the_event_loop(limited, monkeypatch):
     """A 3 MB prompt (under the body limit; the length check that would refuse it for this small
     context is switched off here) takes the tokenizer a while; /health answers meanwhile."""
