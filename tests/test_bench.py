@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -375,8 +376,9 @@ def test_html_report_renders_in_chromium_without_console_errors(tmp_path):
     assert messages == []
     for config in ("plain T=1", "lossless k=4 T=1", "cos:w=0.5 k=4 T=1"):
         assert config in dom
-    images = [part.split("'")[0] for part in dom.split("data:image/png;base64,")[1:]]
-    assert len(images) == 3 and all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
+    images = [re.split("['\"]", part)[0] for part in dom.split("data:image/png;base64,")[1:]]
+    # the speed-vs-shift plot leads the report, then the three plots of its sections
+    assert len(images) == 4 and all(base64.b64decode(img)[:8] == b"\x89PNG\r\n\x1a\n" for img in images)
     # the check can fail: a page with a script error is caught
     bad = tmp_path / "bad.html"
     bad.write_text("<html><body><script>undefinedFunction()</script></body></html>")

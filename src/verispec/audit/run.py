@@ -180,8 +180,10 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
         out["too_few_tokens"] = (f"a 5% temperature error would not be caught with {tokens_seen} tokens; "
                                  f"about {needed} are needed (raise --samples or --max-tokens)")
     per_token = {name: value / tokens_seen for name, value in fit.items()}
-    best = max(per_token, key=per_token.get)
+    ranked = sorted(per_token, key=per_token.get, reverse=True)
+    best, second = ranked[0], ranked[1]
     out["best_fit"] = {"law": best, "gain_nats_per_token": per_token[best] - per_token["T x 1"],
+                       "runner_up": second, "lead_nats_per_token": per_token[best] - per_token[second],
                        "candidates": per_token}
     if logprob_gaps:
         gaps = torch.tensor(logprob_gaps)
@@ -335,7 +337,8 @@ def render(report: dict) -> str:
             if not r["conforms"]:
                 b = e["best_fit"]
                 lines.append(f"  best-fitting law: {b['law']} ({b['gain_nats_per_token']:+.4f} nats/token "
-                             "over the claimed law)")
+                             f"over the claimed law; {b['lead_nats_per_token']:.4f} ahead of "
+                             f"{b['runner_up']})")
             if "endpoint_logprobs" in e:
                 g = e["endpoint_logprobs"]
                 lines.append(f"  the endpoint's log-probs vs the claimed law: median |gap| "
