@@ -58,7 +58,7 @@ def test_a_50_mb_body_gets_413_at_once_without_delaying_health(limited):
         watcher.join()
     assert resp.status_code == 413 and "--max-body-bytes" in resp.json()["error"]["message"], resp.text[:300]
     assert took < 10  # refused from the header: the body is not read
-    assert slowest and max(slowest) < 1.0, max(slowest)
+    assert slowest and max(slowest) < 2.0, max(slowest)  # before the limit: 43 s for a 50 MB prompt
 
 
 def test_a_chunked_body_past_the_limit_gets_413(limited):
@@ -102,14 +102,18 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(limited, monkeypatch):
             result["resp"] = client.post(limited.url + "/tokenize", json={"prompt": prompt})
 
     poster = threading.Thread(target=post)
+    started = time.monotonic()
     poster.start()
     times = []
     while poster.is_alive() and len(times) < 200:
         times.append(_health_seconds(limited.url))
         time.sleep(0.02)
     poster.join(120)
+    took = time.monotonic() - started
     assert result["resp"].status_code == 200 and result["resp"].json()["count"] > 100_000
-    assert times and max(times) < 1.0, max(times)
+    # on the event loop, /health would wait for the whole tokenization (1.8 s alone here, longer under
+    # load); off it, well under half of the request's time whatever the machine's load
+    assert times and max(times) < 0.5 * took, (max(times), took)
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(limited):
