@@ -184,3 +184,66 @@ def test_transformers_assisted_generation_runs_as_an_engine(capsys):
     assert "transformers assisted generation" in report["model"]
     assert main([*base, "--assistant-layers", "30"]) == 2
     assert "must be smaller" in capsys.readouterr().err
+
+
+class _FixedEngine:
+    """A real HTTP endpoint (stdlib server, loopback) that answers every completion with fixed tokens,
+    whatever it is asked: an engine that ignores its sampling settings (or serves another model)."""
+
+    def __init__(self, tokens: list[int]):
+        import http.server
+        import threading
+
+        fixed = list(tokens)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                self._send({"object": "list", "data": [{"id": "fixed", "object": "model"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._send({"choices": [{"text": "", "token_ids": fixed, "finish_reason": "length"}]})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_endpoint_that_ignores_its_sampling_settings_is_refused_before_sampling():
+    from verispec.api import encode_prompt
+    from verispec.models import load_model
+
+    model = load_model("default")
+    ids = encode_prompt(model, PROMPTS[1], False)
+    reply = []
+    for _ in range(16):  # the reference's greedy continuation, up to a position with a clear leader ...
+        logits = model.session().logits_for(torch.tensor([ids + reply]), 1)[0, 0]  # [V]
+        top = logits.topk(2)
+        if float(top.values[0] - top.values[1]) > 3.0:
+            reply.append(int(logits.argmin()))  # ... where the engine gives the least likely token instead
+            break
+        reply.append(int(top.indices[0]))
+    assert len(reply) < 16, "no clear-margin position in 16 tokens"
+    engine = _FixedEngine(reply)
+    try:
+        with pytest.raises(AuditError, match="does not follow the sampling settings"):
+            run_audit(AuditConfig(endpoint=engine.url, target="default", prompts=PROMPTS, samples=5,
+                                  max_tokens=4))
+    finally:
+        engine.close()

@@ -237,7 +237,43 @@ def preflight(endpoint: Endpoint, reference: Reference, config: AuditConfig, pro
     if first is not None and again is not None and first.token_ids != again.token_ids:
         notes.append("the endpoint ignores the seed (one seed gave two replies): replies are still i.i.d. "
                      "draws, so the test holds, but a failing reply cannot be reproduced by its seed")
+    if isinstance(endpoint, Endpoint):
+        _check_follows_temperature(endpoint, reference, prompt_ids[:4])
     return notes
+
+
+GREEDY_MARGIN = 3.0  # nats between the reference's two most likely tokens: no rounding swaps them
+
+
+def _check_follows_temperature(endpoint: Endpoint, reference: Reference, prompts: list[list[int]],
+                               length: int = 16) -> None:
+    """AuditError when the endpoint ignores the sampling settings it is sent: asked for temperature 0
+    (greedy), its reply must follow the reference's greedy continuation at every position where the
+    reference's most likely token leads the next by more than GREEDY_MARGIN nats (quantisation and
+    kernel rounding do not move logits that far); the walk stops at the first position where they part
+    within the margin (a near tie, which rounding may break either way)."""
+    for prompt in prompts:
+        try:
+            reply = endpoint.complete(prompt, length, Sampling(temperature=0.0), 0, reference.model.decode,
+                                      reference.model.encode, reference.stops)
+        except EndpointError as err:
+            raise AuditError(f"the endpoint refused a temperature-0 request: {err}") from None
+        if reply is None or not reply.token_ids:
+            continue
+        ids = reply.token_ids
+        logits = reference.logits(prompt, ids)  # [n, V]: the reference at each of the reply's positions
+        for t, token in enumerate(ids):
+            top = logits[t].topk(2)
+            margin = float(top.values[0] - top.values[1])
+            if token == int(top.indices[0]):
+                continue
+            if margin > GREEDY_MARGIN:
+                raise AuditError(
+                    f"the endpoint does not follow the sampling settings it is sent: at temperature 0 it "
+                    f"gave token {token} at position {t} where the reference's most likely token "
+                    f"{int(top.indices[0])} leads by {margin:.1f} nats (is it sampling regardless, or "
+                    "serving another model?)")
+            break  # a near tie: past it the two continuations may differ legitimately
 
 
 def _vocab(reference: Reference, prompt: list[int]) -> int:
