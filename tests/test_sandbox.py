@@ -430,3 +430,27 @@ def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longe
         sweep_stats.timed_out_again([row], 4.0)
     with pytest.raises(SystemExit, match="scores text, not a program"):
         sweep_stats.timed_out_again([dict(row, suite="capitals")], 4.0)
+
+
+@pytest.mark.slow
+def test_the_memory_limit_holds_for_the_whole_program_children_included():
+    """Six children of 500 MB each stay under a 2 GiB address-space limit one by one, not together: the
+    sandbox adds up its processes' resident memory and stops the program."""
+    program = ("import os, time\nfor _ in range(6):\n    if os.fork() == 0:\n"
+               "        x = bytearray(500 * 2**20)\n        for i in range(0, len(x), 4096):\n"
+               "            x[i] = 1\n        time.sleep(10)\n"
+               "        os._exit(0)\ntime.sleep(10)\n")
+    started = time.monotonic()
+    outcome = run_sandboxed(program, timeout=30, limits=Limits(memory_bytes=2 * 2**30))
+    assert outcome == Outcome(False, "memory limit", "memory limit"), outcome
+    assert time.monotonic() - started < 25  # stopped when the sum passed the limit, not at the timeout
+
+
+def test_output_is_bounded_and_costs_the_scorer_a_tail_only():
+    """A program that floods stdout is stopped at the output limit; the scorer keeps only a tail."""
+    started = time.monotonic()
+    outcome = run_sandboxed("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+                            limits=Limits(output_bytes=8 * 2**20))
+    assert outcome == Outcome(False, "output limit", "output limit") and time.monotonic() - started < 10
+    # a program that writes a little and passes is unaffected
+    assert run_sandboxed("print('hello ' * 1000)").passed
