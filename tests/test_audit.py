@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from verispec.audit import Audit, AuditConfig, AuditError, Sampling, run_audit
+from verispec.audit import Audit, AuditConfig, AuditError, run_audit
 from verispec.audit.stats import STATISTICS
 from verispec.cli import main
+from verispec.sampling import SamplingConfig
 from verispec.diagnostics.law_check import ks_uniform
 
 # --- the statistics on synthetic laws -----------------------------------------------------------------
@@ -159,7 +160,7 @@ def test_cli_exit_codes_and_bad_input(server, tmp_path, capsys):
 
 
 def test_too_few_tokens_says_how_many_are_needed(server):
-    report = audit(server.url, samples=2, settings=(Sampling(1.0),))
+    report = audit(server.url, samples=2, settings=(SamplingConfig(1.0),))
     entry = report["settings"][0]["endpoint"]
     assert "too_few_tokens" in entry and "are needed" in entry["too_few_tokens"]
     needed = int(entry["too_few_tokens"].split("about ")[1].split()[0])

@@ -11,7 +11,7 @@ import threading
 
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
-from verispec.audit import AuditConfig, Sampling, load_prompts, render, run_audit
+from verispec.audit import AuditConfig, load_prompts, render, run_audit
 from verispec.evaluation import sandbox
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import sweep_progress, write_report
@@ -22,6 +22,7 @@ from verispec.evaluation.units import SweepSpec
 from verispec.jsonsafe import json_safe
 from verispec.ray_cluster import RayOptions
 from verispec.rules import names, rule_class
+from verispec.sampling import SamplingConfig
 from verispec.tables import markdown_table, text_table
 
 
@@ -205,7 +206,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         raise ValueError(f"--extra-body must be a JSON object: {err}") from None
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object, e.g. '{\"return_token_ids\": true}'")
-    settings = tuple(Sampling(t, args.top_k, args.top_p, args.min_p) for t in args.temperature)
+    settings = tuple(SamplingConfig(t, args.top_k, args.top_p, args.min_p) for t in args.temperature)
     config = AuditConfig(endpoint=args.endpoint, target=args.target, prompts=prompts, samples=args.samples,
                          settings=settings, max_tokens=args.max_tokens, seed=args.seed, alpha=args.alpha,
                          control=args.control, model=args.model, extra=extra, chat=chat, engine=args.engine,

@@ -1,9 +1,9 @@
 """`verispec audit`: does a serving engine's output follow the law it claims? (docs/design.md, 'Auditing
 an engine')."""
 
-from verispec.audit.endpoint import Endpoint, EndpointError, Sampling
+from verispec.audit.endpoint import Endpoint, EndpointError, request_fields, setting_name
 from verispec.audit.run import AuditConfig, AuditError, load_prompts, render, run_audit
 from verispec.audit.stats import Audit, effects_in_words
 
-__all__ = ["Audit", "AuditConfig", "AuditError", "Endpoint", "EndpointError", "Sampling", "effects_in_words",
-           "load_prompts", "render", "run_audit"]
+__all__ = ["Audit", "AuditConfig", "AuditError", "Endpoint", "EndpointError", "effects_in_words",
+           "load_prompts", "render", "request_fields", "run_audit", "setting_name"]

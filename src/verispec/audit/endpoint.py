@@ -20,32 +20,27 @@ from typing import Callable
 
 import torch
 
+from verispec.sampling import SamplingConfig
+
 
 class EndpointError(RuntimeError):
     """The endpoint cannot be used: unreachable, an HTTP error, or an answer that is not a completion."""
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling settings a request sends (and so the law it claims)."""
+def request_fields(sampling: SamplingConfig) -> dict:
+    """The sampling fields of a completion request (and so the law it claims): the temperature, and
+    top_k / top_p / min_p where set (eta has no OpenAI field: `AuditConfig.validate` refuses it)."""
+    out: dict = {"temperature": sampling.temperature}
+    for name in ("top_k", "top_p", "min_p"):
+        if getattr(sampling, name) is not None:
+            out[name] = getattr(sampling, name)
+    return out
 
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
 
-    def fields(self) -> dict:
-        out: dict = {"temperature": self.temperature}
-        for name in ("top_k", "top_p", "min_p"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        return out
-
-    def name(self) -> str:
-        names = ("top_k", "top_p", "min_p")
-        parts = [f"T={self.temperature:g}"] + [f"{n}={getattr(self, n):g}" for n in names
-                                                if getattr(self, n) is not None]
-        return " ".join(parts)
+def setting_name(sampling: SamplingConfig) -> str:
+    """e.g. "T=0.7 top_k=40"."""
+    return " ".join(f"{k}={v:g}" if k != "temperature" else f"T={v:g}"
+                    for k, v in request_fields(sampling).items())
 
 
 @dataclass
@@ -105,12 +100,12 @@ class Endpoint:
             raise EndpointError(f"{self.base} serves {ids}, not {self.model!r}")
         return self.model or ids[0]
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling, seed: int,
+    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig, seed: int,
                  decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
                  stop_ids: list[int]) -> Reply | None:
         """One reply (None when its token ids cannot be recovered from its text)."""
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "seed": seed,
-                "logprobs": 1, "n": 1, **sampling.fields(), **self.extra}
+                "logprobs": 1, "n": 1, **request_fields(sampling), **self.extra}
         out = self._call("/v1/completions", body)
         try:
             choice = out["choices"][0]
@@ -192,7 +187,7 @@ class AssistedGeneration:
     def served_model(self) -> str:
         return self.model
 
-    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: Sampling, seed: int,
+    def complete(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingConfig, seed: int,
                  decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
                  stop_ids: list[int]) -> Reply:
         options: dict = {"temperature": sampling.temperature}

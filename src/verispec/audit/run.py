@@ -19,13 +19,13 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from verispec.api import encode_prompt, resolve_target
-from verispec.audit.endpoint import AssistedGeneration, Endpoint, EndpointError, Sampling
+from verispec.audit.endpoint import AssistedGeneration, Endpoint, EndpointError, setting_name
 from verispec.audit.stats import Audit, effects_in_words, log_likelihood
 from verispec.decode import stop_ids
 from verispec.evaluation.store import read_regular_file
@@ -54,7 +54,7 @@ class AuditConfig:
     target: str
     prompts: list[str]
     samples: int = 200
-    settings: tuple[Sampling, ...] = (Sampling(),)
+    settings: tuple[SamplingConfig, ...] = (SamplingConfig(),)
     max_tokens: int = 64
     seed: int = 0
     alpha: float = 0.01
@@ -83,13 +83,14 @@ class AuditConfig:
             if not (math.isfinite(s.temperature) and s.temperature > 0):
                 raise AuditError(f"--temperature must be > 0 (a greedy engine has no law to test), got "
                                  f"{s.temperature!r}")
-            SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+            if s.eta is not None:
+                raise AuditError("eta sampling has no field in an OpenAI completion request: audit it as the "
+                                 "law an endpoint's own settings give")
 
 
-def _law(logits: torch.Tensor, s: Sampling, scale: float = 1.0) -> torch.Tensor:
+def _law(logits: torch.Tensor, s: SamplingConfig, scale: float = 1.0) -> torch.Tensor:
     """logits [n, V] -> the law [n, V] of sampling `s` at `scale` times its temperature, float64."""
-    config = SamplingConfig(temperature=s.temperature * scale, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-    return process(logits, config, dtype=torch.float64)
+    return process(logits, replace(s, temperature=s.temperature * scale), dtype=torch.float64)
 
 
 class Reference:
@@ -111,7 +112,7 @@ class Reference:
         return self.model.session().logits_for(ids, len(reply))[0].float()  # [n, V]
 
 
-def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig, sampling: Sampling,
+def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig, sampling: SamplingConfig,
                    prompt_ids: list[list[int]], progress: bool = False) -> dict:
     """One sampling setting on one endpoint: the audit's result (`Audit.result`), its effects in words,
     the power rows, the best-fitting candidate law and the endpoint's log-probabilities against the
@@ -123,7 +124,6 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
     refused, empty, from_text = 0, 0, 0
     logprob_gaps: list[float] = []
     raw_gaps: list[float] = []
-    vocab = None
     started = time.monotonic()
     for i in range(config.samples):
         prompt = prompt_ids[i % len(prompt_ids)]
@@ -136,11 +136,11 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
             empty += 1
             continue
         from_text += reply.ids_from == "text"
-        logits = reference.logits(prompt, reply.token_ids)  # [n, V]
-        vocab = logits.shape[-1]
-        if max(reply.token_ids) >= vocab:
+        vocab = reference.model.vocab_size
+        if max(reply.token_ids) >= vocab:  # before the reference pass, which would index past its table
             raise AuditError(f"the endpoint returned token id {max(reply.token_ids)}, outside the "
                              f"reference's vocabulary of {vocab}: is --target the endpoint's model?")
+        logits = reference.logits(prompt, reply.token_ids)  # [n, V]
         tokens = torch.tensor(reply.token_ids)  # [n]
         law = _law(logits, sampling)  # [n, V]
         audit.add(law, tokens, reference.stops, generator)
@@ -148,7 +148,7 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
             drawn = torch.multinomial(_law(logits, sampling, scale), 1, generator=generator)[:, 0]  # [n]
             checked.add(law, drawn, reference.stops, generator)
         for name, scale, top_k, top_p, min_p in CANDIDATES:
-            candidate = Sampling(sampling.temperature * scale, top_k, top_p, min_p)
+            candidate = SamplingConfig(sampling.temperature * scale, top_k, top_p, min_p)
             fit[name] += log_likelihood(_law(logits, candidate), tokens)
         if reply.logprobs is not None and len(reply.logprobs) >= len(reply.token_ids) - 1:
             n = min(len(reply.logprobs), len(reply.token_ids))
@@ -159,7 +159,7 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
             logprob_gaps += (theirs - mine)[finite].abs().tolist()
             raw_gaps += (theirs - raw)[finite].abs().tolist()
         if progress and (i + 1) % 50 == 0:
-            print(f"audit {sampling.name()}: {i + 1}/{config.samples} replies, "
+            print(f"audit {setting_name(sampling)}: {i + 1}/{config.samples} replies, "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr)
     if audit.replies == 0:
         raise AuditError(f"no reply could be checked ({refused} ambiguous, {empty} empty): nothing to test")
@@ -167,7 +167,7 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
     tokens_seen = result["tokens"]
     power_rows = {f"T x {scale:g}": power[scale].result() for scale in POWER}
     caught = {name: not r["conforms"] for name, r in power_rows.items()}
-    out = {"setting": sampling.name(), "result": result, "effects": effects_in_words(result),
+    out = {"setting": setting_name(sampling), "result": result, "effects": effects_in_words(result),
            "power": {name: {"detected": caught[name], "holm": r["holm"]} for name, r in power_rows.items()},
            "refused_ambiguous": refused, "empty": empty, "ids_from_text": from_text}
     if not all(caught.values()):
@@ -227,7 +227,7 @@ def preflight(endpoint: Endpoint, reference: Reference, config: AuditConfig, pro
                                   reference.model.decode, reference.model.encode, reference.stops)
     except EndpointError as err:
         raise AuditError(str(err)) from None
-    if first is not None and first.token_ids and max(first.token_ids) >= _vocab(reference, prompt_ids[0]):
+    if first is not None and first.token_ids and max(first.token_ids) >= reference.model.vocab_size:
         raise AuditError("the endpoint's token ids fall outside the reference's vocabulary: --target must be "
                          "the model the endpoint serves (the same tokenizer)")
     if first is not None and first.ids_from == "text":
@@ -254,8 +254,8 @@ def _check_follows_temperature(endpoint: Endpoint, reference: Reference, prompts
     within the margin (a near tie, which rounding may break either way)."""
     for prompt in prompts:
         try:
-            reply = endpoint.complete(prompt, length, Sampling(temperature=0.0), 0, reference.model.decode,
-                                      reference.model.encode, reference.stops)
+            reply = endpoint.complete(prompt, length, SamplingConfig(temperature=0.0), 0,
+                                      reference.model.decode, reference.model.encode, reference.stops)
         except EndpointError as err:
             raise AuditError(f"the endpoint refused a temperature-0 request: {err}") from None
         if reply is None or not reply.token_ids:
@@ -274,10 +274,6 @@ def _check_follows_temperature(endpoint: Endpoint, reference: Reference, prompts
                     f"{int(top.indices[0])} leads by {margin:.1f} nats (is it sampling regardless, or "
                     "serving another model?)")
             break  # a near tie: past it the two continuations may differ legitimately
-
-
-def _vocab(reference: Reference, prompt: list[int]) -> int:
-    return int(reference.logits(prompt, prompt[-1:]).shape[-1])
 
 
 def run_audit(config: AuditConfig, progress: bool = False) -> dict:
