@@ -56,13 +56,15 @@ def diff_rows(diffs: dict[str, list[float]]) -> list[dict]:
 
 
 # Token-level tests skip BLOCK_RULES (tests/test_hsd.py checks them over whole blocks).
-BLOCK_RULES = {"hsd"}
+BLOCK_RULES = {"hsd", "fly"}
 
 # Every rule of the catalogue with representative parameters, including every residual option.
 SPECS = [
     "lossless",
     "greedy",
     "hsd",
+    "fly:window=1,threshold=0",
+    "fly:window=2,threshold=0.3,top_k=2",
     "speccascade:min_p=0.3",
     "speccascade:min_p=0.5,resample=truncated",
     "speccascade:min_p=0.2,resample=greedy",

@@ -38,6 +38,15 @@ def block_outcomes(rule, p_fn, q_fn, ctx: tuple, k: int, v: int, uncapped: bool 
         if weight == 0:
             continue
         ps = [p_fn(ctx + x[:i]) for i in range(k + 1)]
+        if rule.block_level and not uncapped:  # the rule's own exact block law (hsd, fly)
+            law = rule.block_law(torch.tensor(np.stack(ps))[None], torch.tensor(np.stack(qs))[None],
+                                 torch.tensor(x)[None])
+            probs, last = law.num_accepted_probs[0].numpy(), law.last_laws[0].numpy()
+            for level in range(k + 1):
+                for tok in range(v):
+                    key = x[:level] + (tok,)
+                    out[key] = out.get(key, 0.0) + weight * probs[level] * last[level, tok]
+            continue
         if rule.block_level:
             h, res = hsd_levels(torch.tensor(np.stack(ps))[None], torch.tensor(np.stack(qs))[None],
                                 torch.tensor(x)[None])

@@ -10,6 +10,8 @@ a Bonferroni-corrected alpha (as tests/test_rules_sampling.py) and a power check
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import dataclass
 
@@ -237,6 +239,20 @@ def ragged_rows(seed: int = 0):
     return p, q, pb, qb, x, num_drafts, gen
 
 
+def first_token_law(rule, p: torch.Tensor, q: torch.Tensor, kk: int) -> np.ndarray:
+    """A block rule's law of a block's first token with kk drafts drawn from q (the same p, q at every
+    position), by enumerating the drafts through `block_law`: x_0 if a draft is kept, else the
+    recovered token."""
+    drafts = torch.tensor(list(itertools.product(range(V), repeat=kk)))  # [V^kk, kk]
+    weight = q[torch.arange(kk), drafts].prod(-1)  # [V^kk]
+    law = rule.block_law(p[: kk + 1].expand(len(drafts), kk + 1, V), q[:kk].expand(len(drafts), kk, V), drafts)
+    stop = law.num_accepted_probs[:, 0]  # [V^kk]
+    out = torch.zeros(V, dtype=torch.float64)
+    out.index_add_(0, drafts[:, 0], weight * (1 - stop))
+    out += (weight * stop) @ law.last_laws[:, 0]
+    return out.numpy()
+
+
 def ragged_fit_pvalues(rule, seed: int = 0) -> dict[str, float]:
     p, q, pb, qb, x, num_drafts, gen = ragged_rows(seed)
     res = rule.verify(pb, qb, x, gen)
@@ -246,8 +262,10 @@ def ragged_fit_pvalues(rule, seed: int = 0) -> dict[str, float]:
     out["k_i = 0: token ~ bonus law of p0"] = chisquare_pvalue(
         np.bincount(tokens[rows, 0] % V, minlength=V), rule.bonus_law(p[0]).numpy())
     rows = k_i >= 1
+    first = (np.mean([first_token_law(rule, p, q, kk) for kk in range(1, K + 1)], 0) if rule.block_level
+             else rule.emitted(p[0], q[0]).numpy())  # rows k_i = 1, 2, 3 in equal numbers
     out["k_i >= 1: first token ~ emitted(p0, q0)"] = chisquare_pvalue(
-        np.bincount(tokens[rows, 0] % V, minlength=V), rule.emitted(p[0], q[0]).numpy())
+        np.bincount(tokens[rows, 0] % V, minlength=V), first)
     for kk in (1, 2):
         rows = (k_i == kk) & (n_acc == kk)
         after = tokens[rows, np.minimum(n_acc[rows], K)]

@@ -64,7 +64,7 @@ def test_law_and_expected_acceptance_equal_their_definitions(spec):
     assert expected.shape == (len(cs),)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", [s for s in SPECS if not s.startswith("fly")])  # fly: no per-position law
 def test_emitted_batched_matches_rows(spec):
     rule = parse(spec)
     cs = cases(5, seed=7)

@@ -59,6 +59,8 @@ def test_verify_properties(spec, data):
             law = rule._bonus(p[i, k])
         elif rule.name == "hsd":
             law = hsd_levels(p[i : i + 1], q[i : i + 1], x[i : i + 1])[1][0, n]
+        elif rule.block_level:
+            law = rule.block_law(p[i : i + 1], q[i : i + 1], x[i : i + 1]).last_laws[0, n]
         else:
             law = rule.residual_after(p[i, n], q[i, n], x[i, n])
         assert law[res.tokens[i, n]] > 0  # never a token with zero probability

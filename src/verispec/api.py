@@ -15,6 +15,7 @@ from verispec.decode import DecodeConfig, Generation, decode_prompts
 from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
 from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
+from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, Costs, measure_costs
 from verispec.tree_decode import TreeVerification, tree_verification_rule
@@ -224,6 +225,8 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
         raise TypeError(f"chat must be None, True or False, got {chat!r}")
     if not isinstance(diagnostics, bool):
         raise TypeError(f"diagnostics must be True or False, got {diagnostics!r}")
+    if diagnostics:
+        refuse_diagnostics_without_law(parsed)
     for name, value in (("dtype", dtype), ("draft_dtype", draft_dtype)):
         if not isinstance(value, (str, torch.dtype)):
             raise TypeError(f"{name} must be a str ({', '.join(DTYPES)}) or a torch.dtype, "

@@ -21,7 +21,8 @@ from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import SweepSpec
 from verispec.jsonsafe import json_safe
 from verispec.ray_cluster import RayOptions
-from verispec.rules import names, rule_class
+from verispec.rules import names, parse, rule_class
+from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.sampling import SamplingConfig
 from verispec.tables import markdown_table, text_table
 
@@ -81,6 +82,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
+    if args.diagnostics and args.tree is None and args.drafts is None:
+        refuse_diagnostics_without_law(parse(args.rule))  # a bad spec is refused here too, before loading
     # fails first, clearly, on a bad model
     target = resolve_target(args.target, args.device, as_dtype(args.dtype))
     several = len(args.prompt) > 1
@@ -89,6 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, eta=args.eta, seed=args.seed, chat=args.chat, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, batch_size=args.batch_size, tree=args.tree, drafts=args.drafts,
+        diagnostics=args.diagnostics,
     )
     for result in results if several else [results]:  # several prompts: one JSON object per line
         if args.json:
@@ -96,11 +100,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             continue
         s = result.stats
         print(result.text)
+        shift = (f"mean TV to target {s['mean_tv']:.4f} | log-ratio vs target {s.get('log_ratio', 0):.3f}"
+                 if "mean_tv" in s else "diagnostics off")
         print(
             f"\n[{s['rule']}] {s['tokens']} tokens | acceptance {s['acceptance_rate']:.3f} | "
             f"block efficiency {s['block_efficiency']:.2f} tokens/target call | "
-            f"{s['tokens_per_second']:.1f} tokens/s | mean TV to target {s.get('mean_tv', 0):.4f} | "
-            f"log-ratio vs target {s.get('log_ratio', 0):.3f}",
+            f"{s['tokens_per_second']:.1f} tokens/s | {shift}",
             file=sys.stderr if args.quiet_stats else sys.stdout,
         )
     return 0
@@ -328,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap the prompt in the tokenizer's chat template (default: when it has one)")
+    run.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
+                     help="exact per-token shift statistics (on by default; a lossy block rule, fly, has "
+                          "no per-position law and needs --no-diagnostics)")
     run.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
     run.add_argument("--quiet-stats", action="store_true", help="print the stats line to stderr")
     run.set_defaults(func=cmd_run)

@@ -31,6 +31,7 @@ from torch import Tensor
 from verispec.diagnostics.shift import position_stats
 from verispec.models.base import LanguageModel, batch_session
 from verispec.rules import Rule, parse
+from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process
 from verispec.speculation import AdaptivePolicy, RowAcceptance
@@ -336,6 +337,8 @@ class _Recorder:
     FLUSH = 64
 
     def __init__(self, rule: Rule | None, config: DecodeConfig):
+        if config.diagnostics and rule is not None:
+            refuse_diagnostics_without_law(rule)
         self.rule, self.config = rule, config
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = (

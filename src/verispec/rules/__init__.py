@@ -13,10 +13,10 @@ from __future__ import annotations
 from verispec.rules import lossless, greedy, hsd  # noqa: F401  (lossless; hsd is block-level)
 from verispec.rules import speccascade, typical, topk, topp, relaxed  # noqa: F401  (truncation)
 from verispec.rules import honest  # noqa: F401  (honest truncation baselines)
-from verispec.rules import lenience, cos, fuzzy, sglang  # noqa: F401  (collaborative)
+from verispec.rules import lenience, cos, fuzzy, sglang, fly  # noqa: F401  (collaborative; fly is block-level)
 from verispec.rules import budget  # noqa: F401  (bounded by construction)
-from verispec.rules.base import Param, Rule, VerifyResult
+from verispec.rules.base import BlockLaw, Param, Rule, VerifyResult
 from verispec.rules.honest import honest_baseline
 from verispec.rules.registry import names, parse, rule_class
 
-__all__ = ["Param", "Rule", "VerifyResult", "honest_baseline", "names", "parse", "rule_class"]
+__all__ = ["BlockLaw", "Param", "Rule", "VerifyResult", "honest_baseline", "names", "parse", "rule_class"]

@@ -40,8 +40,8 @@ from torch import Tensor
 from verispec.probability import check_pair, check_probs, sample_from
 from verispec.spec import Param, check_ranges
 
-__all__ = ["Param", "Rule", "VerifyResult", "assemble_tokens", "blank_padding", "check_block", "draft_counts",
-           "draw_uniforms"]
+__all__ = ["BlockLaw", "Param", "Rule", "VerifyResult", "assemble_tokens", "blank_padding", "check_block",
+           "draft_counts", "draw_uniforms", "refuse_diagnostics_without_law"]
 
 @dataclass(frozen=True)
 class VerifyResult:
@@ -60,6 +60,22 @@ class VerifyResult:
     tokens: Tensor
     accept_probs: Tensor
     bonus: Tensor
+    num_drafts: Tensor
+
+
+@dataclass(frozen=True)
+class BlockLaw:
+    """The exact law of one verified block given its drafts (docs/design.md, 'Rule anatomy').
+
+    num_accepted_probs [B, K+1]: P(n = m | drafts) for m = 0..K (0 for m > k_i), in float64.
+    last_laws [B, K+1, V]: the law of the token emitted after m accepted drafts: the recovered token's
+        law for m < k_i, the bonus law at m = k_i (rows past k_i are meaningless).
+    num_drafts [B]: k_i.
+    The block emits x_1..x_m then one token y with probability num_accepted_probs[m] * last_laws[m, y].
+    """
+
+    num_accepted_probs: Tensor
+    last_laws: Tensor
     num_drafts: Tensor
 
 
@@ -193,6 +209,17 @@ def check_block(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor)
         drafted_q = draft_probs[real].gather(-1, x[real][:, None])  # [M, 1]
     if (drafted_q <= 0).any():
         raise ValueError("a draft token has zero probability under draft_probs: it cannot have been drafted")
+
+
+def refuse_diagnostics_without_law(rule: "Rule") -> None:
+    """ValueError for a lossy block rule (fly) asked for per-position diagnostics: whether its drafts are
+    kept depends on the drafts after them, so no per-position law exists (docs/design.md, 'fly')."""
+    if rule.block_level and not rule.lossless:
+        raise ValueError(
+            f"rule '{rule.spec}' is block-level and lossy: a token's law depends on the drafts after it, so "
+            "there is no per-position law for the diagnostics. Run it with diagnostics off "
+            "(--no-diagnostics, diagnostics=False); its exact law is Rule.block_law, and `verispec audit` "
+            "measures its shift on a served model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +374,29 @@ class Rule:
                 shape = tuple(uniforms.shape) if isinstance(uniforms, Tensor) else type(uniforms).__name__
                 raise ValueError(f"uniforms must be a tensor of shape [B, K+1] = {(b, k1)}, got {shape}")
         return self._verify(target_probs, draft_probs, draft_tokens.long(), uniforms)
+
+    def block_law(self, target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor) -> BlockLaw:
+        """The exact law of one verified block given its drafts: p [B,K+1,V], q [B,K,V], x [B,K] (rows
+        may be ragged as in `verify`). For a token-wise rule P(n = m) = a_1...a_m (1 - a_{m+1}) with a_j
+        the acceptance of draft j; block rules (hsd, fly) override `_block_law`."""
+        check_block(target_probs, draft_probs, draft_tokens)
+        return self._block_law(target_probs, draft_probs, draft_tokens.long())
+
+    def _block_law(self, p: Tensor, q: Tensor, x: Tensor) -> BlockLaw:
+        b, k = x.shape
+        num_drafts = draft_counts(x)
+        p, q = blank_padding(p, q, x, num_drafts)
+        xs = x.clamp_min(0)
+        a = self._accept_at(p[:, :k], q, xs).double().masked_fill(x < 0, 0.0)  # [B, K]
+        reach = torch.cat([a.new_ones(b, 1), a.cumprod(-1)], -1)  # [B, K+1]: all drafts before m kept
+        probs = reach * torch.cat([1 - a, a.new_ones(b, 1)], -1)  # stop at m, or keep all K
+        probs = torch.where(torch.arange(k + 1, device=x.device) <= num_drafts[:, None], probs, 0.0)
+        rows = torch.arange(b, device=x.device)
+        probs[rows, num_drafts] = reach[rows, num_drafts]  # row i's block ends after k_i drafts
+        residuals = self._residual_after(p[:, :k], q, xs) if k else p[:, :0]  # [B, K, V]
+        last = torch.cat([residuals, p[:, k:]], 1)  # [B, K+1, V]
+        last[rows, num_drafts] = self._bonus(p[rows, num_drafts])
+        return BlockLaw(num_accepted_probs=probs, last_laws=last, num_drafts=num_drafts)
 
     def _verify_bonus_only(self, p: Tensor, uniforms: Tensor) -> VerifyResult:
         """K = 0: every row draws one bonus token from the bonus law of p[:, 0]."""

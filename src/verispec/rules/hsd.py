@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from verispec.probability import at, normalize, sample_from
-from verispec.rules.base import Rule, VerifyResult, assemble_tokens, blank_padding, draft_counts
+from verispec.rules.base import BlockLaw, Rule, VerifyResult, assemble_tokens, blank_padding, draft_counts
 from verispec.rules.registry import register
 
 
@@ -94,6 +94,19 @@ class HSD(Rule):
 
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
         return p.clone()
+
+    def _block_law(self, p: Tensor, q: Tensor, x: Tensor) -> BlockLaw:
+        """P(n = m) = h_m prod_{l > m} (1 - h_l): the backward scan stops at the highest level whose
+        coin falls under h."""
+        b, k = x.shape
+        num_drafts = draft_counts(x)
+        p, q = blank_padding(p, q, x, num_drafts)
+        h, residual = hsd_levels(p.double(), q.double(), x)  # [B, K+1], [B, K, V]
+        above = torch.cat([(1 - h[:, 1:]).flip(-1).cumprod(-1).flip(-1), h.new_ones(b, 1)], -1)  # [B, K+1]
+        last = torch.cat([residual.to(p.dtype), p[:, k:]], 1)  # [B, K+1, V]
+        rows = torch.arange(b, device=x.device)
+        last[rows, num_drafts] = p[rows, num_drafts]
+        return BlockLaw(num_accepted_probs=h * above, last_laws=last, num_drafts=num_drafts)
 
     def _verify(self, p: Tensor, q: Tensor, x: Tensor, uniforms: Tensor) -> VerifyResult:
         b, k = x.shape

@@ -183,6 +183,10 @@ def check_policy(rule: Rule | None, config: ServeConfig) -> None:
             raise APIError(400, f"rule '{rule.spec}' is not allowed on this server; allowed rules "
                                 f"(names, families or specs): {', '.join(config.allow_rules)}",
                            "verification.rule", "rule_not_allowed")
+    if config.diagnostics and getattr(rule, "block_level", False) and not rule.lossless:
+        raise APIError(400, f"rule '{rule.spec}' is block-level and lossy: it has no per-position law for "
+                            "this server's diagnostics (serve it with --no-diagnostics)",
+                       "verification.rule", "rule_without_per_token_law")
     cap = config.max_tv_per_token
     if cap is not None:
         tv = certifiable_tv(rule)
