@@ -2,8 +2,8 @@
 
 Lossless rules must reproduce the target's exact sequence law; a lossy rule must reproduce the
 exact law obtained by composing its per-step `emitted` laws (a block rule: its `block_law`) along the
-block structure (computed by enumeration in tests/streams.py). Chi-square on sampled runs, fixed seeds; the lossy rule's samples
-must also be detected as *not* following the target (power).
+block structure (computed by enumeration in tests/streams.py). Chi-square on sampled runs, fixed
+seeds; the lossy rule's samples must also be detected as *not* following the target (power).
 """
 
 from __future__ import annotations

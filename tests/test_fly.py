@@ -72,7 +72,8 @@ def random_block(seed: int, b: int, k: int, v: int, ragged: bool = True):
     return torch.tensor(p), torch.tensor(q), torch.tensor(x)
 
 
-def row_inputs(p: Tensor, q: Tensor, x: Tensor, i: int, rule: FLy) -> tuple[list[float], list[bool], list[float]]:
+def row_inputs(p: Tensor, q: Tensor, x: Tensor, i: int,
+               rule: FLy) -> tuple[list[float], list[bool], list[float]]:
     k_i = int((x[i] >= 0).sum())
     a, ok, h = [], [], []
     for j in range(k_i):
@@ -115,9 +116,10 @@ def test_verify_equals_the_prepass_given_its_uniforms(spec):
         n = next((j for j in range(len(a)) if not kept[j]), len(a))
         assert int(result.num_accepted[i]) == n, (spec, i)
         deferred += sum(kept[j] and not native[j] for j in range(n))
-        expected_probs = np.array(a) + (1 - np.array(a)) * np.array(
-            [ok[j] and j + rule.window < len(a) and h[j] >= rule.threshold for j in range(len(a))]) * np.array(
-            [math.prod(a[j + 1: j + 1 + rule.window]) for j in range(len(a))])
+        eligible = np.array([ok[j] and j + rule.window < len(a) and h[j] >= rule.threshold
+                             for j in range(len(a))])
+        window_pass = np.array([math.prod(a[j + 1: j + 1 + rule.window]) for j in range(len(a))])
+        expected_probs = np.array(a) + (1 - np.array(a)) * eligible * window_pass
         np.testing.assert_allclose(result.accept_probs[i, : len(a)].numpy(), expected_probs, atol=1e-12)
     if spec != "fly:window=1,threshold=0.6,top_k=4":
         assert deferred > 0, "the case must exercise deferral"
@@ -163,8 +165,8 @@ def test_verify_samples_the_block_law_and_a_broken_variant_is_caught():
     expected = (law.num_accepted_probs[0][:, None] * law.last_laws[0]).reshape(-1).numpy()  # [(K+1) V]
     args = (p.expand(rows, k + 1, v), q.expand(rows, k, v), x.expand(rows, k))
     good = block_cells(rule.verify(*args, torch.Generator().manual_seed(1)), k, v)
-    broken = block_cells(WindowOnKept(window=1, threshold=0.3).verify(*args, torch.Generator().manual_seed(1)),
-                         k, v)
+    bug = WindowOnKept(window=1, threshold=0.3)
+    broken = block_cells(bug.verify(*args, torch.Generator().manual_seed(1)), k, v)
     keep = expected > 0
     assert good[~keep].sum() == 0
     assert chisquare_pvalue(good[keep], expected[keep]) > 1e-4

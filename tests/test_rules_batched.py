@@ -245,7 +245,8 @@ def first_token_law(rule, p: torch.Tensor, q: torch.Tensor, kk: int) -> np.ndarr
     recovered token."""
     drafts = torch.tensor(list(itertools.product(range(V), repeat=kk)))  # [V^kk, kk]
     weight = q[torch.arange(kk), drafts].prod(-1)  # [V^kk]
-    law = rule.block_law(p[: kk + 1].expand(len(drafts), kk + 1, V), q[:kk].expand(len(drafts), kk, V), drafts)
+    n = len(drafts)
+    law = rule.block_law(p[: kk + 1].expand(n, kk + 1, V), q[:kk].expand(n, kk, V), drafts)
     stop = law.num_accepted_probs[:, 0]  # [V^kk]
     out = torch.zeros(V, dtype=torch.float64)
     out.index_add_(0, drafts[:, 0], weight * (1 - stop))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from verispec.jsonsafe import json_safe
 from verispec.ray_cluster import RayOptions
 from verispec.rules import names, parse, rule_class
 from verispec.rules.base import refuse_diagnostics_without_law
+from verispec.rules.engines import engine_names, from_engine
 from verispec.sampling import SamplingConfig
 from verispec.tables import markdown_table, text_table
 
@@ -42,6 +44,31 @@ def catalogue_rows() -> list[dict[str, str]]:
 
 
 def cmd_rules(args: argparse.Namespace) -> int:
+    if args.from_engine is not None:
+        preset = from_engine(args.from_engine, args.engine_flags)
+        if args.json:
+            print(json.dumps(preset.to_json()))
+            return 0
+        print(f"{preset.engine} with {preset.flags or 'its defaults'}:")
+        print(f"  rule: {preset.rule.spec} ({'lossless' if preset.lossless else 'lossy'}; "
+              f"{preset.rule.summary})")
+        if preset.k is not None:
+            print(f"  draft tokens per block: {preset.k}")
+        if preset.sampling:
+            print("  sampler settings it applies unless a request overrides them: "
+                  + ", ".join(f"{key} {value:g}" for key, value in preset.sampling.items()))
+        for note in preset.notes:
+            print(f"  note: {note}")
+        flags = f" --engine-flags {shlex.quote(args.engine_flags)}" if args.engine_flags else ""
+        if preset.rule.block_level and not preset.rule.lossless:
+            print(f"  its shift on your pair: verispec serve --target T --draft D --rule "
+                  f"'{preset.rule.spec}' --no-diagnostics, then verispec audit --endpoint URL --target T")
+        else:
+            print(f"  its exact shift on your pair and prompts: verispec run --from-engine {preset.engine}"
+                  f"{flags} --target T --draft D --prompt ...")
+        return 0
+    if args.engine_flags is not None:
+        raise ValueError("--engine-flags needs --from-engine ENGINE")
     rows = catalogue_rows()
     cols = list(rows[0]) if args.markdown else ["rule", "family", "lossless", "parameters", "source"]
     table = markdown_table if args.markdown else text_table
@@ -72,6 +99,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "llama.cpp's quantized weights)")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from-engine", default=None, choices=engine_names(),
+                        help="an engine's speculative settings as verispec's rule (docs/design.md, "
+                             "'Engine presets')")
+    parser.add_argument("--engine-flags", default=None, metavar="FLAGS",
+                        help="the engine's flags as it spells them, e.g. '--speculative-accept-threshold-"
+                             "single 0.5' or 'rejection_sample_method=fly,num_speculative_tokens=8' or JSON")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -80,8 +116,32 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eta", type=float, default=None)
 
 
+def apply_engine_preset(args: argparse.Namespace) -> None:
+    """`run --from-engine E --engine-flags F`: the preset's rule, and its k and sampler settings where the
+    command line does not set them; `--rule` and `--from-engine` together are refused."""
+    if args.from_engine is None:
+        if args.engine_flags is not None:
+            raise ValueError("--engine-flags needs --from-engine ENGINE")
+        args.rule = args.rule or defaults.RULE
+        return
+    if args.rule is not None:
+        raise ValueError("give --rule or --from-engine, not both (the preset is the rule)")
+    preset = from_engine(args.from_engine, args.engine_flags)
+    args.rule = preset.rule.spec
+    if args.k is None and preset.k is not None:
+        args.k = preset.k
+    for key, value in preset.sampling.items():
+        if key == "temperature":  # --temperature has a default: the flags' own temperature wins over it
+            if any(name in preset.flags for name in ("temp", "temperature")):
+                args.temperature = value
+            continue
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     check_device(args.device)  # before loading anything: `cuda` on a CPU-only torch is refused clearly
+    apply_engine_preset(args)
     if args.diagnostics and args.tree is None and args.drafts is None:
         refuse_diagnostics_without_law(parse(args.rule))  # a bad spec is refused here too, before loading
     # fails first, clearly, on a bad model
@@ -306,12 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     rules = sub.add_parser("rules", help="print the catalogue of verification rules")
     rules.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    add_engine_args(rules)
+    rules.add_argument("--json", action="store_true", help="--from-engine: print the preset as JSON")
     rules.set_defaults(func=cmd_rules)
 
     run = sub.add_parser("run", help="generate with speculative decoding and print the text and stats")
     add_model_args(run)
-    run.add_argument("--rule", default=defaults.RULE,
-                     help="rule spec, e.g. lenience:l=0.5 (see `verispec rules`)")
+    run.add_argument("--rule", default=None,
+                     help=f"rule spec, e.g. lenience:l=0.5 (see `verispec rules`; default {defaults.RULE})")
+    add_engine_args(run)
     run.add_argument("--prompt", required=True, action="append",
                      help="the prompt; repeat it for several prompts, decoded together "
                           "(prompt i uses seed + i)")
