@@ -276,7 +276,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
                          settings=settings, max_tokens=args.max_tokens, seed=args.seed, alpha=args.alpha,
                          control=args.control, model=args.model, extra=extra, chat=chat, engine=args.engine,
                          assistant_layers=args.assistant_layers, neutral=not args.engine_defaults,
-                         dtype=as_dtype(args.dtype), timeout=args.timeout)
+                         dtype=as_dtype(args.dtype), timeout=args.timeout, draft=args.draft)
+    if args.candidate_rules is not None:
+        if args.draft is None:
+            raise ValueError("--candidate-rules needs --draft (a rule's law needs the draft's)")
+        config.candidate_rules = tuple(args.candidate_rules)
     report = run_audit(config, progress=not args.no_progress)
     print(json.dumps(json_safe(report), indent=1) if args.json else render(report))
     return 0 if report["conforms"] else 1
@@ -590,6 +594,11 @@ def add_audit_parser(sub) -> None:
     audit.add_argument("--max-tokens", type=int, default=64)
     audit.add_argument("--seed", type=int, default=0, help="the first reply's seed (then +1 a reply)")
     audit.add_argument("--alpha", type=float, default=0.01, help="the test's level (Holm over 5 statistics)")
+    audit.add_argument("--draft", default=None,
+                       help="the engine's draft model: lossy rules' exact laws join the best-fit candidates")
+    audit.add_argument("--candidate-rules", nargs="+", default=None, metavar="RULE",
+                       help="with --draft: the rules to rank (default: a min-p gate, typical, lenience, CoS, "
+                            "SGLang's and TensorRT-LLM's thresholds at their README settings)")
     audit.add_argument("--control", default=None, metavar="URL",
                        help="the same engine with speculation off: audited alike, to tell numerics from "
                             "speculation")

@@ -7,8 +7,9 @@ target in one fresh, cache-free pass, and the claimed law at every emitted posit
 logits processed by the request's settings) goes to `audit.stats.Audit` with the emitted tokens. A
 power check draws, at the same positions, from the law at 0.95 T and 1.05 T. When the claim fails, the
 candidate law that fits the tokens best is named (the target at other temperatures, with llama.cpp's
-default truncations and each one alone). A control endpoint (the same engine with speculation off) goes
-through the same audit, so a failure from numerics is told from one speculation adds.
+default truncations and each one alone, and, given the engine's draft model, lossy rules' exact laws).
+A control endpoint (the same engine with speculation off) goes through the same audit, so a failure
+from numerics is told from one speculation adds.
 
 Exit status: 0 every audited setting conforms, 1 one does not, 2 the audit could not run.
 """
@@ -28,6 +29,7 @@ from verispec.api import encode_prompt, resolve_target
 from verispec.audit.endpoint import AssistedGeneration, Endpoint, EndpointError, setting_name
 from verispec.audit.stats import Audit, effects_in_words, log_likelihood
 from verispec.decode import stop_ids
+from verispec.rules import parse as parse_rule
 from verispec.evaluation.store import read_regular_file
 from verispec.sampling import SamplingConfig, process
 
@@ -40,6 +42,12 @@ CANDIDATES = ([(f"T x {m:g}", m, None, None, None) for m in (0.7, 0.8, 0.9, 0.95
                  ("llama.cpp defaults (top-k 40, top-p 0.95, min-p 0.05)", 1.0, 40, 0.95, 0.05),
                  ("top-k 50 (transformers' default)", 1.0, 50, None, None)])
 
+
+# lossy rules as candidates when the engine's draft model is given (--draft): each rule's exact law at
+# every emitted position, as if the position were drafted (a bonus position's law is the target's, and
+# which positions were bonus is not visible from outside, so this ranks, it does not test)
+RULE_CANDIDATES = ("speccascade:min_p=0.1", "typical:eps=0.09,alpha=0.3", "lenience:l=0.5", "cos:w=0.5",
+                   "cos:w=0.9", "sglang:single=0.5,acc=0.5", "relaxed:n=10,delta=0.6")
 
 ENGINES = ("endpoint", "transformers-assisted")
 
@@ -69,6 +77,9 @@ class AuditConfig:
     chat: bool | None = None
     dtype: torch.dtype = torch.float32
     timeout: float = 300.0
+    draft: str | None = None  # the engine's draft model: lossy rules join the best-fit candidates
+    candidate_rules: tuple[str, ...] = RULE_CANDIDATES
+    rules: list = field(default_factory=list, init=False, repr=False)  # candidate_rules parsed by validate
 
     def validate(self) -> None:
         if not self.prompts:
@@ -86,6 +97,16 @@ class AuditConfig:
             if s.eta is not None:
                 raise AuditError("eta sampling has no field in an OpenAI completion request: audit it as the "
                                  "law an endpoint's own settings give")
+        self.rules = []
+        for spec in self.candidate_rules if self.draft is not None else ():
+            try:
+                rule = parse_rule(spec)
+            except ValueError as err:
+                raise AuditError(f"--candidate-rules: {err}") from None
+            if rule.block_level and not rule.lossless:
+                raise AuditError(f"--candidate-rules: '{rule.spec}' has no per-position law to rank by "
+                                 "(a lossy block rule); audit it against verispec serve instead")
+            self.rules.append(rule)
 
 
 def _law(logits: torch.Tensor, s: SamplingConfig, scale: float = 1.0) -> torch.Tensor:
@@ -96,8 +117,12 @@ def _law(logits: torch.Tensor, s: SamplingConfig, scale: float = 1.0) -> torch.T
 class Reference:
     """The reference target: prompts as token ids, and the logits at a reply's emitted positions."""
 
-    def __init__(self, target: str, dtype: torch.dtype, chat: bool | None):
+    def __init__(self, target: str, dtype: torch.dtype, chat: bool | None, draft: str | None = None):
         self.model = resolve_target(target, "cpu", dtype)
+        self.draft = None if draft is None else resolve_target(draft, "cpu", dtype)
+        if self.draft is not None and self.draft.vocab_size != self.model.vocab_size:
+            raise AuditError(f"--draft {draft!r} has a vocabulary of {self.draft.vocab_size}, the target's "
+                             f"is {self.model.vocab_size}: a draft must share the target's tokens")
         self.chat = chat
         self.stops = sorted(stop_ids(self.model))
         context = getattr(self.model, "max_context", None)
@@ -106,10 +131,11 @@ class Reference:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.model, prompt, self.chat)
 
-    def logits(self, prompt_ids: list[int], reply: list[int]) -> torch.Tensor:
-        """logits [n, V] (float32) predicting each of the reply's n tokens, in one cache-free pass."""
+    def logits(self, prompt_ids: list[int], reply: list[int], model=None) -> torch.Tensor:
+        """logits [n, V] (float32) predicting each of the reply's n tokens, in one cache-free pass (of the
+        target, or of `model`: the draft)."""
         ids = torch.tensor([prompt_ids + reply[:-1]])  # [1, L + n - 1]: position t predicts token t + 1
-        return self.model.session().logits_for(ids, len(reply))[0].float()  # [n, V]
+        return (model or self.model).session().logits_for(ids, len(reply))[0].float()  # [n, V]
 
 
 def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig, sampling: SamplingConfig,
@@ -120,7 +146,7 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
     generator = torch.Generator().manual_seed(config.seed + 20261207)  # the PIT's v_t and the power draws
     audit = Audit(alpha=config.alpha)
     power = {scale: Audit(alpha=config.alpha) for scale in POWER}
-    fit = {name: 0.0 for name, *_ in CANDIDATES}
+    fit = {name: 0.0 for name, *_ in CANDIDATES} | {_rule_name(rule): 0.0 for rule in config.rules}
     refused, empty, from_text = 0, 0, 0
     logprob_gaps: list[float] = []
     raw_gaps: list[float] = []
@@ -150,6 +176,10 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
         for name, scale, top_k, top_p, min_p in CANDIDATES:
             candidate = SamplingConfig(sampling.temperature * scale, top_k, top_p, min_p)
             fit[name] += log_likelihood(_law(logits, candidate), tokens)
+        if config.rules:
+            draft_law = _law(reference.logits(prompt, reply.token_ids, reference.draft), sampling)  # [n, V]
+            for rule in config.rules:
+                fit[_rule_name(rule)] += log_likelihood(rule.emitted_law(law, draft_law), tokens)
         if reply.logprobs is not None and len(reply.logprobs) >= len(reply.token_ids) - 1:
             n = min(len(reply.logprobs), len(reply.token_ids))
             mine = law.gather(-1, tokens[:n, None])[:, 0].clamp_min(1e-300).log()  # [n]
@@ -193,6 +223,10 @@ def audit_endpoint(endpoint: Endpoint, reference: Reference, config: AuditConfig
                                     "p99_gap_to_claimed_law": float(gaps.quantile(0.99)),
                                     "median_gap_to_raw_model": float(raw.median())}
     return out
+
+
+def _rule_name(rule) -> str:
+    return f"rule {rule.spec} with the draft"
 
 
 def _z_for(p: float) -> float:
@@ -289,7 +323,7 @@ def run_audit(config: AuditConfig, progress: bool = False) -> dict:
                    if config.control else None)
     except ValueError as err:
         raise AuditError(str(err)) from None
-    reference = Reference(config.target, config.dtype, config.chat)
+    reference = Reference(config.target, config.dtype, config.chat, config.draft)
     if endpoint is None:
         hf = getattr(reference.model, "model", None)
         if hf is None or not hasattr(hf, "generate"):
