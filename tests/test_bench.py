@@ -23,7 +23,7 @@ from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.evaluation import load_results
 from verispec.evaluation.report import summarize, write_report
-from verispec.evaluation.store import SCHEMA_VERSION, ResultsFile, read_rows, read_runs
+from verispec.evaluation.store import SAME_AS, SCHEMA_VERSION, ResultsFile, read_rows, read_runs, scan_rows
 from verispec.models import load_drafter, load_model
 from verispec.rules import parse
 from verispec.sampling import SamplingConfig
@@ -259,6 +259,8 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path, capsys):
         assert row.pop("reused_from") == str(tmp_path / "a")
         assert row == a_rows[unit]  # byte for byte, timings and batch size included
     assert sorted(decoded) == sorted(set(b_rows) - copied)  # the rest (plain everywhere) decoded here
+    raw_b = {r["unit"]: r for r in scan_rows(tmp_path / "b" / "results.jsonl", resolve=False).rows}
+    assert all(raw_b[u].get(SAME_AS) == "a" and "steps" not in raw_b[u] for u in copied)  # references
     # the copies are what this sweep would have decoded (same batches here: identical numerics)
     run_sweep(wide, tmp_path / "c", progress=False, batch_size=2)
     c_rows = read_rows(tmp_path / "c" / "results.jsonl")
@@ -282,6 +284,9 @@ def test_reuse_from_copies_the_units_another_sweep_decoded(tmp_path, capsys):
     assert sorted(decoded) == sorted(u for u, r in g_rows.items() if r["rule"] == "plain")  # plain only
     assert {u: r["reused_from"] for u, r in g_rows.items() if r["rule"] != "plain"} == {
         u: str(tmp_path / ("a" if u in copied else "b")) for u, r in b_rows.items() if r["rule"] != "plain"}
+    raw_g = {r["unit"]: r for r in scan_rows(tmp_path / "g" / "results.jsonl", resolve=False).rows}
+    assert {u: raw_g[u][SAME_AS] for u in g_rows if g_rows[u]["rule"] != "plain"} == {
+        u: "a" if u in copied else "b" for u, r in b_rows.items() if r["rule"] != "plain"}  # the holder
     # --reuse-plain copies plain rows too: only the units no source holds are decoded (the same rows as
     # decoding everything here); a row whose plain row was copied has no speedup, which the report says
     decoded.clear()

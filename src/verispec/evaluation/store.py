@@ -7,6 +7,12 @@ key; a unit already present is never appended again. Any other unreadable line (
 non-UTF-8 bytes, not an object) is skipped with a warning naming its file and line number, and
 counted (`ScanResult.skipped`): never a crash, never silent. `DirectoryLock` makes a sweep's output
 directory exclusive (`fcntl.flock`, non-blocking): a second writer is refused with the holder's pid.
+
+A row another sweep already holds is stored as a reference (`same_as`): `{"schema": 2, "unit": U,
+"same_as": "NAME", ...}` names a sibling sweep directory (`../NAME/results.jsonl`) whose row of unit U
+it is, and carries only the fields where it differs (`reused_from`, `run`). Readers see the whole row
+(`scan_rows` resolves it); a reference whose source is missing, or names a path rather than a sibling,
+is an invalid row, named with its line like any other.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import calendar
 import json
 import logging
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -89,16 +96,60 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
+SAME_AS = "same_as"  # a reference row's key: the sibling sweep that holds the whole row
+_SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
+def reference_row(row: dict, source_name: str, source_row: dict) -> dict:
+    """The reference that stands for `row` when sweep `source_name` holds `source_row` (the same unit):
+    the fields where the two differ, plus `run`. ValueError if `row` lacks a field the source has
+    (a reference cannot remove one)."""
+    if row.get("unit") != source_row.get("unit"):
+        raise ValueError("a reference must point at a row of the same unit")
+    missing = set(source_row) - set(row)
+    if missing:
+        raise ValueError(f"the row lacks {sorted(missing)}, which its source has")
+    ref = {"schema": row.get("schema"), "unit": row["unit"], SAME_AS: source_name}
+    for key, value in row.items():
+        same = json.dumps(value, sort_keys=True) == json.dumps(source_row.get(key), sort_keys=True)
+        if key == "run" or not same:
+            ref[key] = value
+    return ref
+
+
+def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -> dict | str:
+    """The whole row a reference stands for, or the reason it cannot be read (a str)."""
+    name = ref[SAME_AS]
+    if not isinstance(name, str) or not _SWEEP_NAME.fullmatch(name) or name in (".", ".."):
+        return f"{SAME_AS} must name a sibling sweep directory, got {str(name)[:80]!r}"
+    if name not in sources:
+        source = path.parent.parent / name / "results.jsonl"
+        if not source.exists():
+            sources[name] = f"its source {source} does not exist"
+        else:
+            scan = scan_rows(source, resolve=False)
+            sources[name] = {row.get("unit"): row for row in scan.rows if SAME_AS not in row}
+    index = sources[name]
+    if isinstance(index, str):
+        return index
+    whole = index.get(ref.get("unit"))
+    if whole is None:
+        return f"its source sweep {name} holds no row of unit {str(ref.get('unit'))[:40]!r}"
+    return {**whole, **{key: value for key, value in ref.items() if key != SAME_AS}}
+
+
 def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
-              max_bytes: int = MAX_RESULTS_BYTES) -> ScanResult:
+              max_bytes: int = MAX_RESULTS_BYTES, resolve: bool = True) -> ScanResult:
     """Rows of a results file with their line numbers; bad lines are skipped, logged and counted.
 
     A last line without its newline is the unit a kill interrupted: ignored quietly (`ResultsFile`
     cuts it). `check(row)` (e.g. `rowcheck.row_problem`): a row it finds a problem with is skipped the
     same way, named with its line and the problem (`invalid`), so no reader counts it and `--resume`
-    decodes its unit again. Raises ValueError naming the path if the file cannot be read at all, is not
-    a regular file, or is larger than `max_bytes`."""
+    decodes its unit again. A reference row (`same_as`) is resolved to the whole row it stands for
+    (`resolve=False`: kept as it is); one that cannot be is invalid. Raises ValueError naming the path
+    if the file cannot be read at all, is not a regular file, or is larger than `max_bytes`."""
     out = ScanResult()
+    sources: dict[str, dict[str, dict] | str] = {}
     path = Path(path)
     if not os.path.lexists(path):
         return out
@@ -123,7 +174,13 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
             out.skipped.append(message)
             out.skipped_lines.append(number)
             continue
-        why = check(row) if check is not None else None
+        why = None
+        if resolve and SAME_AS in row:
+            row = _resolve(path, row, sources)
+            if isinstance(row, str):
+                why, row = f"a reference that cannot be resolved: {row}", {}
+        if why is None and check is not None:
+            why = check(row)
         if why is not None:
             message = f"{path}:{number}: skipped an invalid row ({why})"
             log.warning(message)

@@ -25,6 +25,7 @@ from verispec.evaluation.ray_executor import RayPool, check_ray_spec, import_ray
 from verispec.evaluation.store import (
     MAX_SETTINGS_BYTES,
     RUN_TIME,
+    SAME_AS,
     SCHEMA_VERSION,
     DirectoryLock,
     ResultsFile,
@@ -32,6 +33,7 @@ from verispec.evaluation.store import (
     read_regular_file,
     read_rows,
     record_run,
+    reference_row,
     results_file,
     scan_rows,
 )
@@ -226,6 +228,9 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_
     with ResultsFile(results_path, max_new_tokens) as store:
         for source, path in sources:
             copied, same, changed = 0, _same_items(path, suite_file), set()
+            # a sibling sweep's row is written as a reference to it (store, `same_as`), not a copy
+            sibling = Path(path).resolve().parent.parent == Path(results_path).resolve().parent.parent
+            raw = ({row.get("unit"): row for row in scan_rows(path, resolve=False).rows} if sibling else {})
             for row in read_rows(path, max_new_tokens):  # a row that fails rowcheck is named, never copied
                 unit = row.get("unit")
                 if unit not in wanted or unit in store.done:
@@ -237,7 +242,13 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_
                     log.warning("--reuse-from %s: the row of unit %s does not match its key; not copied",
                                 source, unit)
                     continue
-                store.append({**row, "reused_from": row.get("reused_from", source)})
+                copy = {**row, "reused_from": row.get("reused_from", source)}
+                stored = raw.get(unit)
+                if stored is not None and SAME_AS in stored:  # already a reference: point at its holder
+                    copy = {**stored, "reused_from": copy["reused_from"]}
+                elif stored is not None:
+                    copy = reference_row(copy, Path(path).resolve().parent.name, stored)
+                store.append(copy)
                 copied += 1
             if changed:
                 log.warning("--reuse-from %s: %d prompt(s) not the same item in its data file (or its "
