@@ -253,3 +253,16 @@ def test_an_endpoint_that_ignores_its_sampling_settings_is_refused_before_sampli
                                   max_tokens=4))
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_an_endpoint_that_refuses_logprobs_is_audited_without_them():
+    """verispec serve --no-diagnostics answers 400 on `logprobs`: the audit goes on without them, says so."""
+    quiet = Running(ServeConfig(target="default", draft="default-draft", diagnostics=False))
+    try:
+        report = audit(quiet.url, "lossless", samples=20)
+    finally:
+        quiet.close()
+    entry = report["settings"][0]["endpoint"]
+    assert any("refuses log-probabilities" in n for n in report["notes"])
+    assert "endpoint_logprobs" not in entry and entry["result"]["tokens"] > 0

@@ -24,7 +24,12 @@ from verispec.sampling import SamplingConfig
 
 
 class EndpointError(RuntimeError):
-    """The endpoint cannot be used: unreachable, an HTTP error, or an answer that is not a completion."""
+    """The endpoint cannot be used: unreachable, an HTTP error, or an answer that is not a completion.
+    `status` and `param`: the HTTP status and the OpenAI error's `param`, where the answer gave them."""
+
+    def __init__(self, message: str, status: int | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 def request_fields(sampling: SamplingConfig) -> dict:
@@ -60,6 +65,7 @@ class Endpoint:
     model: str | None = None
     timeout: float = 300.0
     extra: dict = field(default_factory=dict)  # more request fields (e.g. {"return_token_ids": true})
+    logprobs_refused: bool = False  # the endpoint answered 400 on `logprobs`: requests go without them
 
     def __post_init__(self) -> None:
         base = self.url.rstrip("/")
@@ -77,7 +83,12 @@ class Endpoint:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             detail = err.read()[:500].decode("utf-8", "replace")
-            raise EndpointError(f"{self.base}{path} answered HTTP {err.code}: {detail}") from None
+            try:
+                param = json.loads(detail)["error"].get("param")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                param = None
+            raise EndpointError(f"{self.base}{path} answered HTTP {err.code}: {detail}", err.code,
+                                param if isinstance(param, str) else None) from None
         except (urllib.error.URLError, OSError, TimeoutError) as err:
             reason = getattr(err, "reason", err)
             raise EndpointError(f"cannot reach {self.base}{path}: {reason}") from None
@@ -106,7 +117,16 @@ class Endpoint:
         """One reply (None when its token ids cannot be recovered from its text)."""
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "seed": seed,
                 "logprobs": 1, "n": 1, **request_fields(sampling), **self.extra}
-        out = self._call("/v1/completions", body)
+        if self.logprobs_refused:
+            body.pop("logprobs")
+        try:
+            out = self._call("/v1/completions", body)
+        except EndpointError as err:
+            if err.status != 400 or err.param != "logprobs" or self.logprobs_refused:
+                raise
+            self.logprobs_refused = True  # e.g. verispec serve --no-diagnostics: audit without them
+            body.pop("logprobs")
+            out = self._call("/v1/completions", body)
         try:
             choice = out["choices"][0]
             text, finish = choice.get("text", ""), choice.get("finish_reason") or "length"

@@ -273,6 +273,9 @@ def preflight(endpoint: Endpoint, reference: Reference, config: AuditConfig, pro
                      "draws, so the test holds, but a failing reply cannot be reproduced by its seed")
     if isinstance(endpoint, Endpoint):
         _check_follows_temperature(endpoint, reference, prompt_ids[:4])
+    if getattr(endpoint, "logprobs_refused", False):
+        notes.append("the endpoint refuses log-probabilities: requests go without them (its own "
+                     "log-probabilities are not compared)")
     return notes
 
 
