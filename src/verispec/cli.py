@@ -22,6 +22,8 @@ from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import SweepSpec
 from verispec.jsonsafe import json_safe
 from verispec.ray_cluster import RayOptions
+from verispec.models import MODELS, default_draft
+from verispec.models.fit import check_fits, fast_path
 from verispec.rules import names, parse, rule_class
 from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.rules.engines import engine_names, from_engine
@@ -89,14 +91,34 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "target, self:layers=8 for smollm2-135m, ngram:n=3 for any other model)")
     parser.add_argument("--device", default="cpu",
                         help="where the models run (cpu, cuda); rule maths run on the CPU")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="the target's compute dtype (default float32; a named -int4 or -gguf model "
-                             "fixes its own and takes only the default, which then means 'the model's own')")
-    parser.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="a separate draft model's compute dtype (default float32; as --dtype for a "
-                             "named -int4 or -gguf draft: the rows' draft_dtype float32 then means the "
-                             "model's own: int4 weights with bf16 compute, or "
-                             "llama.cpp's quantized weights)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the target's compute dtype (default: float32, except the Qwen names, which "
+                             "load their fast int4 models unless a dtype is given; a named -int4 or "
+                             "-gguf model fixes its own and takes only float32, meaning 'the model's own')")
+    parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="a separate draft model's compute dtype (default float32, or a Qwen name's "
+                             "int4 model as for --dtype; as --dtype for a named -int4 or -gguf draft: the "
+                             "rows' draft_dtype float32 then means the model's own: int4 weights with bf16 "
+                             "compute, or llama.cpp's quantized weights)")
+
+
+def resolve_model_args(args: argparse.Namespace, check_memory: bool) -> None:
+    """--target/--draft with no dtype: the Qwen names go to their fast int4 models (a note on stderr);
+    then, for commands that load the models here (`check_memory`), a pair that cannot fit in the memory
+    available now is refused before loading (verispec.models.fit)."""
+    args.target, args.dtype, note = fast_path(args.target, args.dtype)
+    if note:
+        print(f"verispec: {note}", file=sys.stderr)
+    draft = default_draft(args.target) if args.draft == defaults.AUTO_DRAFT else args.draft
+    fast_draft, args.draft_dtype, note = fast_path(draft, args.draft_dtype)
+    if fast_draft != draft:
+        args.draft = fast_draft
+        print(f"verispec: draft {note}", file=sys.stderr)
+    if check_memory:
+        loads = [(args.target, args.dtype)]
+        if isinstance(draft, str) and draft in MODELS:
+            loads.append((fast_draft, args.draft_dtype))
+        check_fits(loads)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -630,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             warning = threads.check_threads(count)
             if warning:
                 print(f"verispec: warning: {warning}", file=sys.stderr)
+        if hasattr(args, "draft_dtype"):  # the commands with model arguments: run, bench, serve
+            resolve_model_args(args, check_memory=args.func is not cmd_bench)
         code = args.func(args)
         sys.stdout.flush()  # a block-buffered pipe's last write happens here, inside the handlers
         return code
