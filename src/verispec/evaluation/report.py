@@ -33,7 +33,7 @@ from typing import Sequence
 
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
-from verispec.evaluation.stats import parse_sequential
+from verispec.evaluation.stats import parse_sequential, t_quantile
 from verispec.evaluation.rowcheck import row_problem
 from verispec.evaluation.store import (MAX_SETTINGS_BYTES, check_schema, read_regular_file, read_runs,
                                        results_file, run_started, scan_rows)
@@ -45,22 +45,12 @@ from verispec.rules import honest_baseline, parse
 
 CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
 OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
-_T975 = [12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 def t_quantile_975(df: int) -> float:
-    """The 97.5% quantile of Student's t with `df` degrees of freedom: the table for df <= 30, beyond it
-    the Cornish-Fisher expansion in 1/df (Abramowitz & Stegun 26.7.5; error < 1e-5 for df > 30)."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959963984540054
-    g1 = (z**3 + z) / 4
-    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
-    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
-    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (`stats.t_quantile`, the one
+    implementation)."""
+    return t_quantile(0.975, df)
 
 
 def t_interval(values: list[float]) -> tuple[float, float]:
