@@ -142,3 +142,20 @@ def test_bad_limits_are_refused():
                 {"body_timeout": float("inf")}, {"body_timeout": True}):
         with pytest.raises(ValueError, match="--max-body-bytes|--body-timeout"):
             ServeConfig(target="default", draft="default-draft", **bad)
+
+
+def test_a_max_batch_the_backend_cannot_hold_is_refused_at_start():
+    """The llama.cpp backend's batched KV sessions hold `max_rows` rows: a larger --max-batch would
+    answer 500 to the row past them; it is refused when the server starts instead."""
+    from verispec.models import load_model
+    from verispec.serving.app import Server
+
+    model = load_model("default")
+    model.max_rows = 8  # as LlamaCppModel's default
+    try:
+        with pytest.raises(ValueError, match=r"--max-batch 32 is more rows than the target model's batched "
+                                             r"sessions hold \(8"):
+            Server(ServeConfig(target="default", draft=None), target=model)
+        assert Server(ServeConfig(target="default", draft=None, max_batch=8), target=model).engine  # starts
+    finally:
+        del model.max_rows

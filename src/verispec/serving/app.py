@@ -177,6 +177,12 @@ class Server:
                 check_tree_room(self.target, 1, DecodeConfig(k=config.k, tree=self.default_shape))
             except ValueError as err:
                 raise ValueError(f"--tree {self.default_shape.spec}: {err}") from None
+        for role, model in (("target", self.target), ("draft", getattr(self.drafter, "model", None))):
+            rows = getattr(model, "max_rows", None)  # the llama.cpp backend's batched KV sessions
+            if isinstance(rows, int) and config.max_batch > rows:
+                raise ValueError(f"--max-batch {config.max_batch} is more rows than the {role} model's "
+                                 f"batched sessions hold ({rows}, the llama.cpp backend's); give --max-batch "
+                                 f"{rows} or fewer")
         self.model_name = config.served_model_name or getattr(self.target, "name", None) or config.target
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
