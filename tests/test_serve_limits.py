@@ -157,5 +157,7 @@ def test_a_max_batch_the_backend_cannot_hold_is_refused_at_start():
                                              r"sessions hold \(8"):
             Server(ServeConfig(target="default", draft=None), target=model)
         assert Server(ServeConfig(target="default", draft=None, max_batch=8), target=model).engine  # starts
+        auto = Server(ServeConfig(target="default", draft=None, max_batch_auto=True), target=model)
+        assert auto.config.max_batch == 8  # --max-batch not given: lowered to what the backend holds
     finally:
         del model.max_rows

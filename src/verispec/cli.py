@@ -318,7 +318,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_rules=tuple(args.allow_rules) if args.allow_rules else None,
         max_tv_per_token=args.max_tv_per_token, max_tv_per_response=args.max_tv_per_response,
         allow_greedy_sampling=args.allow_greedy_sampling, max_n=args.max_n,
-        max_queue=args.max_queue, max_batch=args.max_batch, max_tokens_limit=args.max_tokens_limit,
+        max_queue=args.max_queue, max_batch=32 if args.max_batch is None else args.max_batch,
+        max_batch_auto=args.max_batch is None, max_tokens_limit=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
@@ -555,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "waiting request, at once) are answered 503 shutting_down")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests waiting beyond the free batch rows; more get 503")
-    srv.add_argument("--max-batch", type=int, default=32, help="rows decoding at once")
+    srv.add_argument("--max-batch", type=int, default=None,
+                     help="rows decoding at once (default 32, or fewer where the backend's batched sessions "
+                          "hold fewer: the llama.cpp backend's 8)")
     srv.add_argument("--max-tokens-limit", type=int, default=1024,
                      help="largest max_tokens a request may ask")
     srv.add_argument("--default-max-tokens", type=int, default=64)

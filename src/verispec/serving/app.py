@@ -179,7 +179,10 @@ class Server:
                 raise ValueError(f"--tree {self.default_shape.spec}: {err}") from None
         for role, model in (("target", self.target), ("draft", getattr(self.drafter, "model", None))):
             rows = getattr(model, "max_rows", None)  # the llama.cpp backend's batched KV sessions
-            if isinstance(rows, int) and config.max_batch > rows:
+            if isinstance(rows, int) and config.max_batch > rows and config.max_batch_auto:
+                log.warning("--max-batch: %d, the rows the %s model's batched sessions hold", rows, role)
+                self.config = config = replace(config, max_batch=rows)
+            elif isinstance(rows, int) and config.max_batch > rows:
                 raise ValueError(f"--max-batch {config.max_batch} is more rows than the {role} model's "
                                  f"batched sessions hold ({rows}, the llama.cpp backend's); give --max-batch "
                                  f"{rows} or fewer")

@@ -43,6 +43,7 @@ class ServeConfig:
     allow_greedy_sampling: bool = False  # allow rule "greedy" at temperature > 0 (it ignores the temperature)
     max_queue: int = 64  # requests waiting beyond the free batch rows
     max_batch: int = 32  # rows decoding at once, over all groups
+    max_batch_auto: bool = False  # --max-batch not given: max_batch lowered to what the backend holds
     max_tokens_limit: int = 1024  # largest max_tokens accepted
     default_max_tokens: int = defaults.MAX_NEW_TOKENS
     max_k: int = 16
