@@ -81,3 +81,19 @@ def test_chat_content_as_a_list_of_text_parts(gated):
 def test_a_blank_api_key_is_refused():
     with pytest.raises(ValueError, match="--api-key"):
         ServeConfig(target="default", draft="default-draft", api_key="  ")
+
+
+def test_logprobs_are_numbers_at_temperature_0(gated):
+    """At temperature 0 the processed law rules every token but one out: their log-probabilities are
+    vLLM's -9999.0, numbers a typed client accepts, never the string "-inf"."""
+    body = {"prompt": "KING", "max_tokens": 3, "temperature": 0, "logprobs": 3}
+    resp = httpx.post(gated.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60)
+    lp = resp.json()["choices"][0]["logprobs"]
+    values = [v for top in lp["top_logprobs"] for v in top.values()] + lp["token_logprobs"]
+    assert all(isinstance(v, float) for v in values), values
+    assert -9999.0 in values and max(lp["token_logprobs"]) == 0.0
+    client = openai.OpenAI(base_url=gated.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "KING"}],
+                                          max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
+    assert all(isinstance(t.logprob, float) for c in chat.choices[0].logprobs.content for t in c.top_logprobs)

@@ -47,7 +47,7 @@ from verispec.tree_decode import (TreeVerification, refuse_tree_rule, shape_dept
 from verispec.trees import DraftShape
 from verispec.serving.engine import Engine, Job, Params, QueueFull
 from verispec.logprobs import token_logprobs
-from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs
+from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs, numbers_only
 from verispec.serving.metrics import Metrics
 from verispec.serving.schema import SCHEMAS
 
@@ -808,7 +808,8 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             decode = server.target.decode
             entries = token_logprobs(gen, returned, params.logprobs, decode) if returned else []
             entries = (jobs[i].prompt_entries or []) + entries
-            return json_safe(chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode))
+            shaped = chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode)
+            return json_safe(numbers_only(shaped))
 
         def chunk(choices: list, **extra) -> str:
             body = {"id": rid, "object": chunk_obj, "created": created, "model": params.model,

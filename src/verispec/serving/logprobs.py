@@ -7,6 +7,19 @@ from __future__ import annotations
 from verispec.logprobs import totals
 
 MAX_TOP_LOGPROBS = 20
+FLOOR = -9999.0  # vLLM's number for a log-probability of -inf: the fields stay numbers for typed clients
+
+
+def numbers_only(obj):
+    """-inf log-probabilities (a token the processed law rules out) as FLOOR, recursively, as vLLM writes
+    them; every other value as it is."""
+    if isinstance(obj, float) and obj == float("-inf"):
+        return FLOOR
+    if isinstance(obj, dict):
+        return {k: numbers_only(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [numbers_only(v) for v in obj]
+    return obj
 
 
 def completion_logprobs(entries: list[dict], decode) -> dict:
