@@ -97,3 +97,27 @@ def test_logprobs_are_numbers_at_temperature_0(gated):
     chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "KING"}],
                                           max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
     assert all(isinstance(t.logprob, float) for c in chat.choices[0].logprobs.content for t in c.top_logprobs)
+
+
+@pytest.mark.slow  # decodes the default model's whole context
+def test_vllms_default_max_tokens_and_more_stop_strings():
+    """A request without max_tokens decodes to the context left after its prompt (vLLM's default, within
+    --max-tokens-limit); up to 64 stop strings are accepted (OpenAI's 4 is not a limit vLLM keeps)."""
+    running = Running(ServeConfig(target="default", draft="default-draft", max_tokens_limit=4096))
+    try:
+        models = httpx.get(running.url + "/v1/models", timeout=10).json()["data"][0]
+        context = models["max_model_len"]
+        out = httpx.post(running.url + "/v1/completions", json={"prompt": "KING RICHARD:", "seed": 3},
+                         timeout=300).json()
+        usage, finish = out["usage"], out["choices"][0]["finish_reason"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= context
+        assert finish == "stop" or usage["prompt_tokens"] + usage["completion_tokens"] == context, usage
+        stops = [f"zz{i}" for i in range(64)]
+        ok = httpx.post(running.url + "/v1/completions", json={"prompt": "KING", "max_tokens": 2,
+                                                               "stop": stops}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        refused = httpx.post(running.url + "/v1/completions", json={"prompt": "KING", "max_tokens": 2,
+                                                                    "stop": stops + ["one more"]}, timeout=60)
+        assert refused.status_code == 400 and "up to 64" in refused.json()["error"]["message"]
+    finally:
+        running.close()

@@ -561,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "hold fewer: the llama.cpp backend's 8)")
     srv.add_argument("--max-tokens-limit", type=int, default=1024,
                      help="largest max_tokens a request may ask")
-    srv.add_argument("--default-max-tokens", type=int, default=64)
+    srv.add_argument("--default-max-tokens", type=int, default=None,
+                     help="max_tokens of a request that gives none (default, as vLLM: the context left "
+                          "after the prompt, at most --max-tokens-limit)")
     srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                      help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
     srv.add_argument("--api-key", default=None,

@@ -52,6 +52,7 @@ from verispec.serving.metrics import Metrics
 from verispec.serving.schema import SCHEMAS
 
 log = logging.getLogger(__name__)
+MAX_STOPS = 64  # stop strings a request may give (OpenAI's API allows 4; vLLM sets no limit)
 
 FINGERPRINT = f"verispec-{VERSION}"  # the backend's configuration, OpenAI's meaning (the seed is in `seed`)
 MAX_BODY_DEPTH = 32  # nesting levels a request body may have (a chat request needs 4)
@@ -384,8 +385,11 @@ class Server:
         key = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:
             key = "max_completion_tokens"
-        max_tokens = _number(body, key, int, 0, self.config.max_tokens_limit,
-                             default=self.config.default_max_tokens)
+        default = self.config.default_max_tokens
+        if default is None:  # vLLM's: the context left after the prompt, within --max-tokens-limit
+            left = self.config.max_tokens_limit if self.context is None else self.context - len(prompt_ids)
+            default = max(1, min(self.config.max_tokens_limit, left))
+        max_tokens = _number(body, key, int, 0, self.config.max_tokens_limit, default=default)
         if max_tokens == 0 and not echo:
             raise APIError(400, f"'{key}' must be >= 1 (0 only with 'echo': true, to score the prompt), "
                                 "got 0", key)
@@ -416,8 +420,10 @@ class Server:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise APIError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+        if (not isinstance(stop, list) or len(stop) > MAX_STOPS
+                or not all(isinstance(s, str) and s for s in stop)):
+            raise APIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOPS} of them",
+                           "stop")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, "'stream' must be true or false", "stream")

@@ -45,7 +45,9 @@ class ServeConfig:
     max_batch: int = 32  # rows decoding at once, over all groups
     max_batch_auto: bool = False  # --max-batch not given: max_batch lowered to what the backend holds
     max_tokens_limit: int = 1024  # largest max_tokens accepted
-    default_max_tokens: int = defaults.MAX_NEW_TOKENS
+    # a request without max_tokens: vLLM's default, the context left after the prompt (at most
+    # max_tokens_limit); an int: that many
+    default_max_tokens: int | None = None
     max_k: int = 16
     max_n: int = 8  # largest `n` (choices per request) accepted
     diagnostics: bool = True
@@ -72,7 +74,7 @@ class ServeConfig:
         if not _int(self.k) or not 1 <= self.k <= self.max_k:
             raise ValueError(f"--k must be an integer in [1, {self.max_k}], got {self.k!r}")
         d = self.default_max_tokens
-        if not _int(d) or not 1 <= d <= self.max_tokens_limit:
+        if d is not None and (not _int(d) or not 1 <= d <= self.max_tokens_limit):
             raise ValueError(f"--default-max-tokens must be an integer in [1, --max-tokens-limit = "
                              f"{self.max_tokens_limit}], got {d!r} (raise --max-tokens-limit, or lower it)")
         for name in ("max_tv_per_token", "max_tv_per_response"):
