@@ -121,3 +121,27 @@ def test_vllms_default_max_tokens_and_more_stop_strings():
         assert refused.status_code == 400 and "up to 64" in refused.json()["error"]["message"]
     finally:
         running.close()
+
+
+def test_a_list_of_prompts_gets_each_prompts_choices_in_order(gated):
+    """lm-evaluation-harness with batch_size > 1 sends several prompts in one request: the choices come in
+    prompt order, n per prompt, each the one its prompt alone gives with the same seed."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    prompts = ["KING RICHARD:", "ROMEO:", "First Citizen:"]
+    body = {"prompt": prompts, "max_tokens": 3, "seed": 5, "n": 2}
+    out = httpx.post(gated.url + "/v1/completions", json=body, headers=headers, timeout=120).json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    for p, prompt in enumerate(prompts):
+        alone = httpx.post(gated.url + "/v1/completions", json={**body, "prompt": prompt}, headers=headers,
+                           timeout=120).json()
+        for j in range(2):
+            assert out["choices"][2 * p + j]["token_ids"] == alone["choices"][j]["token_ids"]
+            assert out["choices"][2 * p + j]["text"] == alone["choices"][j]["text"]
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    ids = httpx.post(gated.url + "/tokenize", json={"prompt": "ROMEO:"}, headers=headers, timeout=30).json()
+    by_ids = httpx.post(gated.url + "/v1/completions", json={**body, "n": 1, "prompt": [ids["tokens"]] * 2},
+                        headers=headers, timeout=120).json()
+    assert len(by_ids["choices"]) == 2  # token-id lists too
+    refused = httpx.post(gated.url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                         timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"

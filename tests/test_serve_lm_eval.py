@@ -267,3 +267,24 @@ def test_server_log_ratio_equals_the_library(srv):
         lp = body["choices"][0]["logprobs"]
         assert lp["log_importance_weight"] == pytest.approx(-gen.log_ratio, abs=1e-4)
         assert lp["behaviour_logprobs"] == pytest.approx(gen.steps["log_law"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_lm_eval_batches_of_four_equal_their_requests_one_at_a_time(srv):
+    """lm-eval's local-completions with batch_size 4: one request carries four tokenized prompts (echo,
+    max_tokens 1); parsed as lm-eval parses it, each log-likelihood equals its prompt sent alone, and a
+    batched generation request gives each prompt's own generation."""
+    target = srv.target
+    pairs = [encode_pair(target.encode, PROMPT, c) for c in (" Madam", " my lord", " I pray", " Good night")]
+    batch = [c + k for c, k in pairs]
+    payload = {**loglikelihood_payload("default", batch[0]), "prompt": batch}
+    reply = post(srv, payload)
+    assert reply.status_code == 200, reply.text
+    together = parse_logprobs(reply.json(), [len(c) for c, _ in pairs])
+    alone = [parse_logprobs(post(srv, loglikelihood_payload("default", t)).json(), [len(c)])[0]
+             for t, (c, _) in zip(batch, pairs)]
+    assert together == alone
+    gen = {**generate_payload("default", batch[0], ["\n\n"], 6), "prompt": batch}
+    texts = parse_generations(post(srv, gen).json())
+    assert texts == [parse_generations(post(srv, generate_payload("default", t, ["\n\n"], 6)).json())[0]
+                     for t in batch]

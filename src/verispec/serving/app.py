@@ -115,6 +115,40 @@ def _token_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+MAX_PROMPTS = 64  # prompts one completion request may carry
+
+
+def several_prompts(prompt) -> list | None:
+    """A completion request's prompts when it gives more than one: a list of strings or a list of token-id
+    lists (lm-evaluation-harness batches so); None for a single prompt (a string, token ids, or a list
+    of one). APIError (400) past MAX_PROMPTS."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if not (all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and p and _token_list(p) for p in prompt)):
+        return None  # token ids of one prompt, or a mixture `encode` refuses with its message
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    return prompt
+
+
+def merge_completions(parts: list[dict]) -> dict:
+    """One response for the prompts of one request: the choices in prompt order, indexed 0.. across them
+    (each with its seed, token ids and verification report), the usage summed."""
+    choices = []
+    for part in parts:
+        for choice in part["choices"]:
+            own = {k: part[k] for k in ("seed", "token_ids", "verification") if k in part and k not in choice}
+            choices.append({**choice, **own, "index": len(choices)})
+    usage = {k: sum(p["usage"][k] for p in parts) for k in ("prompt_tokens", "completion_tokens",
+                                                            "total_tokens")}
+    first = parts[0]
+    out = {"id": first["id"], "object": first["object"], "created": first["created"],
+           "model": first["model"], "choices": choices, "usage": usage, "system_fingerprint": FINGERPRINT}
+    warnings = [w for p in parts for w in p.get("warnings", [])]
+    return {**out, "warnings": warnings} if warnings else out
+
+
 # Request fields the server honours or checks (OpenAI's, plus vLLM's top_k / min_p / ignore_eos and
 # verispec's verification); any other field is refused, never ignored. `user` and `stream_options`
 # change no output; the rest must be off (best_of 1, no suffix, penalties 0, no logit_bias; echo only on
@@ -322,8 +356,9 @@ class Server:
                 if prompt is None:
                     raise APIError(400, "missing 'prompt'", "prompt")
                 if isinstance(prompt, list) and prompt and not _token_list(prompt):
-                    raise APIError(400, "one prompt per request: 'prompt' must be a string or a list of "
-                                        "token ids (send several requests for several prompts)", "prompt")
+                    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of "
+                                        "several prompts all of one kind (strings or token-id lists)",
+                                   "prompt")
                 if not isinstance(prompt, (str, list)):
                     raise APIError(400, "'prompt' must be a string or a list of token ids", "prompt")
                 prompt_ids = encode_prompt(self.target, prompt, chat=False)
@@ -767,8 +802,10 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                                 f"'{server.model_name}'", "model", "model_not_found", kind="not_found_error")
         return body
 
-    async def handle(request: Request, chat: bool):
-        params = await off_loop(server.parse_request, await json_body(request), chat)
+    async def handle(request: Request, chat: bool, body: dict | None = None):
+        if body is None:
+            body = await json_body(request)
+        params = await off_loop(server.parse_request, body, chat)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [Job(id=engine.new_id(), params=replace(params, seed=(params.seed + i) % (MAX_SEED + 1)),
                     loop=loop, events=events, index=i) for i in range(params.n)]
@@ -894,7 +931,26 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
     @app.post("/v1/completions", responses=with_report)
     async def completions(request: Request):
-        return await handle(request, chat=False)
+        body = await json_body(request)
+        prompts = several_prompts(body.get("prompt"))
+        if prompts is None:
+            return await handle(request, False, body)
+        if body.get("stream"):
+            raise APIError(400, "'stream' with several prompts is not supported: stream one request per "
+                                "prompt", "stream")
+        # one request per prompt, decoded concurrently (the engine batches them); the choices in
+        # prompt order, n per prompt, as OpenAI's and vLLM's servers return them
+        tasks = [asyncio.create_task(handle(request, False, {**body, "prompt": p})) for p in prompts]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        for part in parts:
+            if isinstance(part, Response):  # the client went away
+                return part
+        return merge_completions(parts)
 
     @app.post("/v1/chat/completions", responses=with_report)
     async def chat_completions(request: Request):
