@@ -258,7 +258,8 @@ def test_an_endpoint_that_ignores_its_sampling_settings_is_refused_before_sampli
 @pytest.mark.slow
 def test_an_endpoint_that_refuses_logprobs_is_audited_without_them():
     """verispec serve --no-diagnostics answers 400 on `logprobs`: the audit goes on without them, says so."""
-    quiet = Running(ServeConfig(target="default", draft="default-draft", diagnostics=False))
+    quiet = Running(ServeConfig(target="default", draft="default-draft",
+                                diagnostics=False, default_max_tokens=64))
     try:
         report = audit(quiet.url, "lossless", samples=20)
     finally:

@@ -94,7 +94,15 @@ def check_answer(resp: httpx.Response, body: dict) -> None:
         assert events[-1] == "[DONE]", (body, events[-3:])
     else:
         out = resp.json()
-        assert out["usage"]["completion_tokens"] <= 4 and "verification" in out, (body, out)
+        prompts = body.get("prompt")
+        several = isinstance(prompts, list) and len(prompts) > 1 and all(
+            isinstance(p, str) for p in prompts) or (isinstance(prompts, list) and len(prompts) > 1
+                                                      and all(isinstance(p, list) for p in prompts))
+        if several:  # one choice per prompt (and n), each with its own report
+            assert out["usage"]["completion_tokens"] <= 4 * len(out["choices"]), (body, out)
+            assert all("verification" in c for c in out["choices"]), (body, out)
+        else:
+            assert out["usage"]["completion_tokens"] <= 4 and "verification" in out, (body, out)
 
 
 def post(srv, endpoint: str, body: dict) -> httpx.Response:

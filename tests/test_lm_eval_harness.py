@@ -83,7 +83,8 @@ def evaluated(tmp_path_factory):
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
     (folder / "choice.yaml").write_text(CHOICE_TASK.format(data=data))
     (folder / "generate.yaml").write_text(GENERATE_TASK.format(data=data))
-    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=8, max_queue=8))
+    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=8,
+                                  max_queue=8, default_max_tokens=64))
     try:
         target = running.app.state.server.target
         results = lm_eval.simple_evaluate(

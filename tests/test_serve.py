@@ -94,7 +94,8 @@ class Running:
 
 @pytest.fixture(scope="module")
 def srv():
-    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=64, max_queue=64))
+    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=64, max_queue=64,
+                                  default_max_tokens=64))
     running.client.completions.create(model="default", prompt=PROMPT, max_tokens=8, seed=0)  # warm up
     yield running
     running.close()
@@ -308,7 +309,7 @@ BAD = [
     ("chat/completions", {"prompt": "x"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("completions", {"prompt": "", "max_tokens": 5}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # several prompts of two kinds
     ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("completions", {"prompt": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
     ("completions", {"prompt": PROMPT, "max_tokens": 10**9}, 400, "max_tokens"),
@@ -426,7 +427,8 @@ def test_guardrails_and_queue_full():
     from verispec.models import load_drafter, load_model  # noqa: F401  (cached: shared with `srv`)
 
     small = Running(ServeConfig(target="default", draft="default-draft", rule="lossless", max_batch=1,
-                                max_queue=1, allow_rules=("lossless", "budget"), max_tv_per_token=0.05))
+                                max_queue=1, allow_rules=("lossless", "budget"), max_tv_per_token=0.05,
+                                default_max_tokens=64))
     try:
         with pytest.raises(openai.BadRequestError, match="not allowed"):
             small.client.completions.create(model="default", prompt=PROMPT, max_tokens=4,

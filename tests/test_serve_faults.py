@@ -66,7 +66,7 @@ MALFORMED = [  # (endpoint, raw body, param of the error)
     ("completions", b'{"prompt": "x", "temperature": Infinity}', "temperature"),
     ("completions", json.dumps({"prompt": 5}).encode(), "prompt"),
     ("completions", json.dumps({"prompt": {"text": "x"}}).encode(), "prompt"),
-    ("completions", json.dumps({"prompt": [[1, 2], [3]]}).encode(), "prompt"),
+    ("completions", json.dumps({"prompt": [[1, 2], "a"]}).encode(), "prompt"),  # prompts of two kinds
     ("completions", json.dumps({"prompt": [1, -1]}).encode(), "prompt"),
     ("completions", json.dumps({"prompt": [2**70]}).encode(), "prompt"),
     ("completions", json.dumps({"prompt": [True, False]}).encode(), "prompt"),
@@ -153,7 +153,8 @@ def open_stream(port: int, body: dict) -> socket.socket:
 @pytest.mark.slow
 def test_max_queue_zero_serves_up_to_the_batch_rows():
     """--max-queue 0 no longer refuses everything: requests up to the free rows are admitted."""
-    srv = Running(ServeConfig(target="default", draft="default-draft", max_batch=2, max_queue=0))
+    srv = Running(ServeConfig(target="default", draft="default-draft", max_batch=2,
+                              max_queue=0, default_max_tokens=64))
     try:
         with ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda i: httpx.post(srv.url + "/v1/completions", timeout=60, json={
@@ -184,7 +185,8 @@ def test_an_engine_exception_fails_its_requests_and_health_says_503(monkeypatch)
     """Fault injection, twice. (1) A decoding block raises: its group's requests get a 500 in OpenAI's
     shape (a stream: a final error chunk) and the server goes on. (2) The engine thread itself dies:
     every request it held is answered, `/health` answers 503, new requests get 503 engine_failed."""
-    srv = Running(ServeConfig(target="default", draft="default-draft", max_batch=4, max_queue=4))
+    srv = Running(ServeConfig(target="default", draft="default-draft", max_batch=4,
+                              max_queue=4, default_max_tokens=64))
     real = BatchDecoder.step
     try:
         def failing_block(self):

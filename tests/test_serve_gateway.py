@@ -145,3 +145,23 @@ def test_a_list_of_prompts_gets_each_prompts_choices_in_order(gated):
     refused = httpx.post(gated.url + "/v1/completions", json={**body, "stream": True}, headers=headers,
                          timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+
+
+def test_vllm_metric_names_for_existing_dashboards():
+    """--metrics-names vllm: vLLM's spec-decode counter names, with model_name on every request metric,
+    so a dashboard query written for vLLM reads this server."""
+    running = Running(ServeConfig(target="default", draft="default-draft", default_max_tokens=4,
+                                  metrics_names="vllm"))
+    try:
+        out = httpx.post(running.url + "/v1/completions", json={"prompt": "KING", "seed": 1}, timeout=60)
+        assert out.status_code == 200
+        text = httpx.get(running.url + "/metrics", timeout=10).text
+        for name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total",
+                     "vllm:spec_decode_num_draft_tokens_total", "vllm:generation_tokens_total"):
+            assert f'{name}{{model_name="default"' in text, name
+        assert 'vllm:e2e_request_latency_seconds_count{model_name="default"}' in text
+        assert "verispec:" not in text
+    finally:
+        running.close()
+    with pytest.raises(ValueError, match="--metrics-names"):
+        ServeConfig(metrics_names="prom")

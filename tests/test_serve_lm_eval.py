@@ -46,7 +46,8 @@ LOSSY = "lenience:l=0.5"
 
 @pytest.fixture(scope="module")
 def srv():
-    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=8, max_queue=8))
+    running = Running(ServeConfig(target="default", draft="default-draft", max_batch=8,
+                                  max_queue=8, default_max_tokens=64))
     running.http = httpx.Client(timeout=120)
     running.target = running.app.state.server.target
     yield running

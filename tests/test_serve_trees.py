@@ -33,8 +33,9 @@ DEFAULT_TREE = "tree:widths=2,1"  # the module server's --tree
 
 @pytest.fixture(scope="module")
 def srv():
-    running = Running(ServeConfig(target="default", draft="default-draft", tree=DEFAULT_TREE, max_batch=16,
-                                  max_queue=16))
+    running = Running(ServeConfig(target="default", draft="default-draft", tree=DEFAULT_TREE,
+                                  max_batch=16,
+                                  max_queue=16, default_max_tokens=64))
     yield running
     running.close()
     assert running.app.state.server.engine.running == 0

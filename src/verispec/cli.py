@@ -320,6 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_greedy_sampling=args.allow_greedy_sampling, max_n=args.max_n,
         max_queue=args.max_queue, max_batch=32 if args.max_batch is None else args.max_batch,
         max_batch_auto=args.max_batch is None, max_tokens_limit=args.max_tokens_limit,
+        metrics_names=args.metrics_names,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
@@ -561,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "hold fewer: the llama.cpp backend's 8)")
     srv.add_argument("--max-tokens-limit", type=int, default=1024,
                      help="largest max_tokens a request may ask")
+    srv.add_argument("--metrics-names", choices=["verispec", "vllm"], default="verispec",
+                     help="/metrics names: verispec:... (default) or vLLM's vllm:..., so dashboards written "
+                          "for vLLM's spec-decode metrics read this server")
     srv.add_argument("--default-max-tokens", type=int, default=None,
                      help="max_tokens of a request that gives none (default, as vLLM: the context left "
                           "after the prompt, at most --max-tokens-limit)")

@@ -225,7 +225,7 @@ class Server:
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
         self.max_prompt_chars = _max_prompt_chars(self.target, self.context)
-        self.metrics = Metrics(config.k, self.model_name)
+        self.metrics = Metrics(config.k, self.model_name, config.metrics_names)
         self.engine = Engine(self.target, self.drafter, config, self.metrics)
 
     # -- parsing ------------------------------------------------------------------------------------
@@ -699,7 +699,8 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
 
     if replica is not None:
-        Gauge("verispec:replica_info", "The replica that served this exposition (always 1)", ["replica"],
+        Gauge(f"{server.metrics.prefix}:replica_info", "The replica that served this exposition (always 1)",
+              ["replica"],
               registry=server.metrics.registry).labels(replica=replica).set(1)
         app.add_middleware(ReplicaHeader, replica=replica)
 

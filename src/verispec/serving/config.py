@@ -64,6 +64,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds a client has to send its whole body; then 408
     api_key: str | None = None  # requests must send "Authorization: Bearer KEY" (all but /health); None: open
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
+    metrics_names: str = "verispec"  # /metrics namespace: "verispec", or "vllm" for vLLM's metric names
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
@@ -90,6 +91,8 @@ class ServeConfig:
         t = self.body_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"--body-timeout must be a number of seconds > 0, got {t!r}")
+        if self.metrics_names not in ("verispec", "vllm"):
+            raise ValueError(f"--metrics-names must be verispec or vllm, got {self.metrics_names!r}")
         if self.allow_rules is not None and not self.allow_rules:
             raise ValueError("--allow-rules needs at least one rule name, family or spec")
         if self.tree is not None:

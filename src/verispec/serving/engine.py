@@ -313,7 +313,7 @@ class Engine:
             ids = dec.tokens(row)
             if ids and job.first_token is None:
                 job.first_token = now
-                self.metrics.ttft.observe(now - job.created)
+                self.metrics.first_token(now - job.created)
             if job.params.stream or job.params.stop:
                 text = self.target.decode(ids)
                 if find_stop(text, job.params.stop) is not None:
@@ -357,7 +357,7 @@ class Engine:
         """A finished row's response event; streams its last text and records its metrics."""
         if job.first_token is None and gen.token_ids:
             job.first_token = time.perf_counter()
-            self.metrics.ttft.observe(job.first_token - job.created)
+            self.metrics.first_token(job.first_token - job.created)
         returned = gen.num_tokens  # the tokens of the response (usage, token_ids): all, or up to a stop
         text = api.response_text(self.target, gen)  # the end-of-sequence token is no text
         stop_at = find_stop(text, job.params.stop)
