@@ -1,4 +1,4 @@
-"""Held-out statistics for the re-scoring scripts (issue 23): each planned comparison computed with scipy by
+"""Held-out statistics for the re-scoring scripts: each planned comparison computed with scipy by
 code written apart from the report's (`verispec.evaluation.stats`), so that a published estimate and p
 are reproduced by other code, not only re-read. Conventions follow the report's where they are a choice:
 fewer than two problems give NaN, no spread gives p = 1 for a zero mean and 0 otherwise, and Holm leaves

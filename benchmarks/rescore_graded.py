@@ -1,4 +1,4 @@
-"""Re-score a `graded-steps` sweep's rows independently of the suite's code (issue 23's held-out check).
+"""Re-score a `graded-steps` sweep's rows independently of the suite's code (the studies' held-out check).
 
     python benchmarks/rescore_graded.py benchmarks/sweeps/qwen-graded-steps [--compare A:B ...]
 

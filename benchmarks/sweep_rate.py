@@ -1,5 +1,5 @@
-"""Rows a minute of the same sweep run several ways, side by side in one run (issue 22's sweep
-criterion: the HumanEval sweep command against today's fp32 path). Each mode is a real `verispec bench`
+"""Rows a minute of the same sweep run several ways, side by side in one run (the
+HumanEval sweep command against the fp32 path). Each mode is a real `verispec bench`
 process with its own extra arguments (a batch size, `--chunk`, a target dtype, a draft), into a temporary
 directory; repetitions run the modes in rotated order. The rate counts decoding only (the rows' work-unit
 seconds, not the model load). Also prints tokens/s per configuration, the peak resident memory of each

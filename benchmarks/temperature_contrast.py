@@ -1,5 +1,5 @@
 """A rule's effect at one setting minus its effect at another: a difference in differences, paired by
-(problem, seed) and clustered by problem (issue 23; e.g. the collaborative rules at T = 1 against T = 0.7).
+(problem, seed) and clustered by problem (e.g. the collaborative rules at T = 1 against T = 0.7).
 
     python benchmarks/temperature_contrast.py benchmarks/sweeps/qwen-humaneval-collab-seeds \\
         benchmarks/sweeps/qwen-humaneval-collab-t07 --seeds 1 2

@@ -6,7 +6,7 @@ Five levels, 40 problems each, from one fixed seed: (1) a two-number sum, (2) tw
 the problem is built, and every problem carries the arithmetic expression of its solution (`meta
 ["expression"]`), which tests evaluate independently. Scored by exact match of the final number
 (`scorers.numeric_match`: the number after '####', else the last number). It tests the claim that a
-truncation verifier falls further behind truncation sampling as problems get harder (issue 23; the
+truncation verifier falls further behind truncation sampling as problems get harder (the
 report prints the gap per level: `comparisons.level_table`).
 
 A second graded task (suite `graded-steps`) grades by the number of dependent steps: level L is a
