@@ -46,7 +46,8 @@ def main() -> int:
             print(f"| {name} | {dtype} | failed ({done.returncode}): {done.stderr.strip()[-200:]} | |")
             continue
         status = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {dtype or 'float32'} | {status['VmHWM']:.2f} | {status['VmRSS']:.2f} |", flush=True)
+        peak, after = status["VmHWM"], status["VmRSS"]
+        print(f"| {name} | {dtype or 'float32'} | {peak:.2f} | {after:.2f} |", flush=True)
     return 0
 
 
