@@ -61,7 +61,7 @@ def free_port() -> int:
 class Running:
     """A uvicorn server in a thread, stopped by `close` (graceful: lifespan shutdown stops the engine)."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, wait_ready: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(config)
@@ -71,6 +71,9 @@ class Running:
         deadline = time.monotonic() + 30
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        engine = self.app.state.server.engine
+        while wait_ready and engine.alive and not engine.ready and time.monotonic() < deadline:  # warm-up
             time.sleep(0.05)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

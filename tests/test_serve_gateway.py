@@ -5,6 +5,8 @@ OpenAI's list of text parts. Loopback only."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -165,3 +167,33 @@ def test_vllm_metric_names_for_existing_dashboards():
         running.close()
     with pytest.raises(ValueError, match="--metrics-names"):
         ServeConfig(metrics_names="prom")
+
+
+def test_health_says_warming_up_until_the_engine_is_warm(monkeypatch):
+    """Readiness: /health is 503 `warming_up` while the engine runs its warm-up (a request sent then waits
+    in the queue and is answered after it), 200 after; /live is 200 throughout (liveness)."""
+    import threading
+
+    from verispec.serving.engine import Engine
+
+    gate, real = threading.Event(), Engine._warm_up
+    monkeypatch.setattr(Engine, "_warm_up", lambda self: (gate.wait(60), real(self)))
+    running = Running(ServeConfig(target="default", draft="default-draft", default_max_tokens=2),
+                      wait_ready=False)
+    try:
+        health = httpx.get(running.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "warming_up"
+        assert httpx.get(running.url + "/live", timeout=10).status_code == 200
+        with httpx.Client(timeout=60) as client:
+            waiting = threading.Thread(target=lambda: setattr(
+                running, "reply", client.post(running.url + "/v1/completions", json={"prompt": "KING"})))
+            waiting.start()
+            time.sleep(0.5)
+            assert waiting.is_alive()  # queued behind the warm-up
+            gate.set()
+            waiting.join(60)
+        assert running.reply.status_code == 200
+        assert httpx.get(running.url + "/health", timeout=10).json()["status"] == "ok"
+    finally:
+        gate.set()
+        running.close()

@@ -568,7 +568,7 @@ def _text_length(value) -> int:
     return 0
 
 
-OPEN_PATHS = ("/health",)  # answered without the API key (a load balancer's probe)
+OPEN_PATHS = ("/health", "/live")  # answered without the API key (a load balancer's probes)
 
 
 class Gateway:
@@ -727,15 +727,24 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
     @app.get("/health")
     async def health():
-        """200 while the engine thread runs; 503 once it has died (a probe by status code sees it)."""
+        """200 once the engine has warmed up and while its thread runs; 503 `warming_up` before (the
+        readiness a load balancer waits for), and once the engine has died (a probe by status code sees
+        it). `/live` is the liveness probe: 200 while the thread runs, warm or not."""
         status = "ok" if engine.alive else ("engine_failed" if engine.error is not None else "engine_stopped")
+        if engine.alive and not engine.ready:
+            status = "warming_up"
         state = {"status": status, "running": engine.running, "waiting": engine.waiting,
                  "model": server.model_name}
         if engine.error is not None:
             state["error"] = repr(engine.error)
         if replica is not None:
             state["replica"] = replica
-        return JSONResponse(state, status_code=200 if engine.alive else 503)
+        return JSONResponse(state, status_code=200 if status == "ok" else 503)
+
+    @app.get("/live")
+    async def live():
+        """Liveness: 200 while the engine thread runs (warming up or serving), 503 once it has died."""
+        return JSONResponse({"alive": engine.alive}, status_code=200 if engine.alive else 503)
 
     @app.get("/version")
     async def version():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec import api
-from verispec.decode import BatchDecoder, DecodeConfig, Generation
+from verispec.decode import BatchDecoder, DecodeConfig, Generation, decode_prompts
 from verispec.logprobs import prompt_logprobs
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
@@ -108,6 +108,7 @@ class Engine:
         self._ids = itertools.count()
         self.running = 0  # rows decoding, and those taken from the queue to join (updated under the lock)
         self.error: BaseException | None = None
+        self.ready = False  # the warm-up has run (`_warm_up`): /health answers 200 from then on
 
     @property
     def waiting(self) -> int:
@@ -171,8 +172,26 @@ class Engine:
         except RuntimeError:  # the request's event loop is closed
             pass
 
+    def _warm_up(self) -> None:
+        """Decode a few tokens plainly and, with a drafter, speculatively (lossless, chain drafts), before
+        the first request: the lazy set-up (weight packing, first kernel calls, session buffers) is paid
+        here, not by a client, and `/health` says 503 `warming_up` until it is done. Requests that arrive
+        meanwhile wait in the queue."""
+        started = time.perf_counter()
+        encode = getattr(self.target, "encode", None)
+        prompt = (encode("Hello") if callable(encode) else None) or [0]
+        config = DecodeConfig(k=min(self.config.k, 2), max_new_tokens=4, stop_at_eos=False,
+                              diagnostics=self.config.diagnostics)
+        decode_prompts(self.target, [prompt], [torch.Generator().manual_seed(0)], config)
+        if self.drafter is not None:
+            decode_prompts(self.target, [prompt], [torch.Generator().manual_seed(0)], config,
+                           drafter=self.drafter, rule="lossless")
+        self.ready = True
+        log.info("warm-up done in %.1f s", time.perf_counter() - started)
+
     def _run(self) -> None:
         try:
+            self._warm_up()
             while True:
                 with self._cond:
                     while not (self._stopping or self._pending or self._jobs or self._cancel):
