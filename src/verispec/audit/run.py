@@ -34,6 +34,9 @@ from verispec.evaluation.store import read_regular_file
 from verispec.sampling import SamplingConfig, process
 
 POWER = (0.95, 1.05)  # the power check's samplers: the claimed law at these multiples of T
+# tokens the recorded audits needed to catch a 5% temperature error (llama.cpp's server on the Qwen 0.5B,
+# benchmarks/RESULTS.md: caught at 3,618 tokens at T = 1, about 4,329 needed at T = 0.7)
+TOKENS_FOR_POWER = 4000
 # candidate laws for the best fit, as (name, temperature multiple, top_k, top_p, min_p); llama.cpp's
 # server truncates by top-k 40, top-p 0.95 and min-p 0.05 unless told otherwise
 CANDIDATES = ([(f"T x {m:g}", m, None, None, None) for m in (0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5)]
@@ -253,6 +256,11 @@ def preflight(endpoint: Endpoint, reference: Reference, config: AuditConfig, pro
         raise AuditError(f"a prompt of {longest} tokens + --max-tokens {config.max_tokens} exceeds the "
                          f"reference's context of {context}")
     notes = []
+    most = config.samples * config.max_tokens
+    if most < TOKENS_FOR_POWER:
+        notes.append(f"at most {most} tokens per setting (--samples x --max-tokens): the audits recorded in "
+                     f"benchmarks/RESULTS.md needed about {TOKENS_FOR_POWER} to catch a sampler 5% off its "
+                     "temperature; the report says how many this one needs if its power falls short")
     sampling = config.settings[0]
     try:
         first = endpoint.complete(prompt_ids[0], min(config.max_tokens, 16), sampling, config.seed,
