@@ -24,7 +24,7 @@ def originals(sweeps_root: Path) -> dict[str, list[tuple[str, dict]]]:
     """unit -> [(sweep name, row)] for every row a sweep decoded itself (not copied, not a reference)."""
     out: dict[str, list[tuple[str, dict]]] = {}
     for results in sorted(sweeps_root.glob("*/results.jsonl")):
-        for row in scan_rows(results, resolve=False).rows:
+        for row in scan_rows(results, references=False).rows:
             if "reused_from" not in row and SAME_AS not in row:
                 out.setdefault(row.get("unit"), []).append((results.parent.name, row))
     return out

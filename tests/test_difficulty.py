@@ -5,7 +5,6 @@ the committed three-seed HumanEval sweep."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -16,6 +15,7 @@ from scipy import stats as scipy_stats
 
 from verispec.evaluation import comparisons, stats
 from verispec.evaluation.report import baseline_of
+from verispec.evaluation.store import read_rows
 
 SEEDS = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-sanitized-seeds"
 GATE, HONEST = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
@@ -145,7 +145,7 @@ def test_the_collaborative_rules_are_tiered_against_lossless():
 def seed_rows():
     if not (SEEDS / "results.jsonl").exists():
         pytest.skip(f"{SEEDS} is not in this checkout")
-    return [json.loads(line) for line in (SEEDS / "results.jsonl").open()]
+    return read_rows(SEEDS / "results.jsonl")  # references (store, same_as) resolved
 
 
 def test_tiers_on_the_committed_seeds_sweep(seed_rows):

@@ -201,7 +201,9 @@ def test_fuzz_rows_and_sweep_directories(sweep, tmp_path_factory):
     def run(mutations):
         COUNT["rows"] += 1
         out = tmp_path_factory.mktemp(f"fuzz{next(counter)}")
-        shutil.copy(sweep / "sweep.json", out / "sweep.json")
+        for name in ("sweep.json", "steps.bin"):  # steps.bin: the rows' stored steps (stepstore)
+            if (sweep / name).exists():
+                shutil.copy(sweep / name, out / name)
         lines: list = [line.encode() for line in original]
         for index, (kind, what, value) in mutations:
             row = json.loads(original[index])

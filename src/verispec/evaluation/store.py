@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from verispec.evaluation.rowcheck import row_problem
+from verispec.evaluation.stepstore import StepsReader, is_pointer, store_steps
 from verispec.machine import describe
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -
         if not source.exists():
             sources[name] = f"its source {source} does not exist"
         else:
-            scan = scan_rows(source, resolve=False)
+            scan = scan_rows(source, references=False)  # its own steps read from its own folder
             sources[name] = {row.get("unit"): row for row in scan.rows if SAME_AS not in row}
     index = sources[name]
     if isinstance(index, str):
@@ -139,17 +140,22 @@ def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -
 
 
 def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
-              max_bytes: int = MAX_RESULTS_BYTES, resolve: bool = True) -> ScanResult:
+              max_bytes: int = MAX_RESULTS_BYTES, resolve: bool = True,
+              references: bool | None = None) -> ScanResult:
     """Rows of a results file with their line numbers; bad lines are skipped, logged and counted.
 
     A last line without its newline is the unit a kill interrupted: ignored quietly (`ResultsFile`
     cuts it). `check(row)` (e.g. `rowcheck.row_problem`): a row it finds a problem with is skipped the
     same way, named with its line and the problem (`invalid`), so no reader counts it and `--resume`
-    decodes its unit again. A reference row (`same_as`) is resolved to the whole row it stands for
-    (`resolve=False`: kept as it is); one that cannot be is invalid. Raises ValueError naming the path
-    if the file cannot be read at all, is not a regular file, or is larger than `max_bytes`."""
+    decodes its unit again. A reference row (`same_as`) is resolved to the whole row it stands for, and
+    steps stored in steps.bin (`stepstore`) are read back (`resolve=False`: rows kept as written;
+    `references=False`: steps read, references kept); one that cannot be is invalid. Raises ValueError
+    naming the path if the file cannot be read at all, is not a regular file, or is larger than
+    `max_bytes`."""
     out = ScanResult()
     sources: dict[str, dict[str, dict] | str] = {}
+    references = resolve if references is None else references
+    steps = StepsReader(Path(path).parent)
     path = Path(path)
     if not os.path.lexists(path):
         return out
@@ -175,10 +181,16 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
             out.skipped_lines.append(number)
             continue
         why = None
-        if resolve and SAME_AS in row:
+        if references and SAME_AS in row:
             row = _resolve(path, row, sources)
             if isinstance(row, str):
                 why, row = f"a reference that cannot be resolved: {row}", {}
+        elif resolve and is_pointer(row.get("steps")):
+            loaded = steps.load(row["steps"])
+            if isinstance(loaded, str):
+                why = f"stored steps that cannot be read: {loaded}"
+            else:
+                row = {**row, "steps": loaded}
         if why is None and check is not None:
             why = check(row)
         if why is not None:
@@ -296,8 +308,9 @@ class ResultsFile:
     """The writer's side: `done` holds the unit keys present; rows are not kept in memory (a long sweep's
     writer, e.g. the Ray executor's driver, grows by a key per row, not by the rows' steps)."""
 
-    def __init__(self, path: Path, max_new_tokens: int | None = None):
-        self.path = path
+    def __init__(self, path: Path, max_new_tokens: int | None = None, compact_steps: bool = True):
+        """compact_steps: a row's steps go to steps.bin (`stepstore`), the row keeps a pointer."""
+        self.path, self.compact_steps = path, compact_steps
         path.parent.mkdir(parents=True, exist_ok=True)
         self._repair()
         scan = scan_rows(path, check=lambda row: None if row.get("schema") != SCHEMA_VERSION
@@ -321,6 +334,11 @@ class ResultsFile:
     def append(self, row: dict) -> None:
         if row["unit"] in self.done:
             return
+        inline = row.get("steps")
+        if self.compact_steps and isinstance(inline, dict) and inline and not is_pointer(inline):
+            pointer = store_steps(self.path.parent, inline)  # written and fsync'ed before the row
+            if pointer is not None:
+                row = {**row, "steps": pointer}
         self._file.write(json.dumps(row, allow_nan=True) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())

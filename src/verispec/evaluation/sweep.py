@@ -230,7 +230,8 @@ def reuse_rows(spec: SweepSpec, units, sources: list[tuple[str, Path]], results_
             copied, same, changed = 0, _same_items(path, suite_file), set()
             # a sibling sweep's row is written as a reference to it (store, `same_as`), not a copy
             sibling = Path(path).resolve().parent.parent == Path(results_path).resolve().parent.parent
-            raw = ({row.get("unit"): row for row in scan_rows(path, resolve=False).rows} if sibling else {})
+            held = scan_rows(path, references=False).rows if sibling else []  # its steps read, refs kept
+            raw = {row.get("unit"): row for row in held}
             for row in read_rows(path, max_new_tokens):  # a row that fails rowcheck is named, never copied
                 unit = row.get("unit")
                 if unit not in wanted or unit in store.done:

@@ -1,0 +1,96 @@
+"""Rows' per-position arrays in steps.bin (`verispec.evaluation.stepstore`): the round trip (float32
+numbers, token ids, roles, NaN and infinities), pointers resolved by every reader, a damaged or missing
+record named as an invalid row, and a real sweep writing them (smaller files, the same report)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from helpers import results_row
+from verispec.evaluation.stepstore import (STEPS_FILE, decode_steps, encode_steps, float32_equal, is_pointer,
+                                           store_steps)
+from verispec.evaluation.store import ResultsFile, read_rows, scan_rows
+
+STEPS = {"token": [5, 17, 151643, 3], "role": ["accepted", "bonus", "recovered", "accepted"],
+         "tv": [0.0, 0.123456789, float("nan"), 1.0], "kl": [float("inf"), 1e-9, 2.5, 0.0],
+         "log_target": [-0.1, -12.75, -1e-30, -3.0], "draft_confidence": [0.5, float("nan"), 0.9, 0.2],
+         "draft_over_target": [1.0, float("nan"), 3.5, 0.7]}  # four positions: results_row's 4 tokens
+
+
+def test_round_trip_keeps_ids_and_roles_exactly_and_numbers_as_float32():
+    back = decode_steps(encode_steps(STEPS))
+    assert list(back) == list(STEPS)
+    assert back["token"] == STEPS["token"] and back["role"] == STEPS["role"]
+    for key in ("tv", "kl", "log_target"):
+        assert all(float32_equal(a, b) for a, b in zip(STEPS[key], back[key])), key
+    assert math.isnan(back["tv"][2]) and back["kl"][0] == math.inf
+
+
+def test_steps_that_are_not_columns_stay_inline():
+    assert encode_steps({"tv": [0.1, 0.2], "kl": [0.1]}) is None  # lengths differ
+    assert encode_steps({"tv": [0.1, None]}) is None
+    assert encode_steps({}) is None and encode_steps([1, 2]) is None
+    assert encode_steps({"token": [2**40]}) is None  # not an int32
+
+
+def test_a_row_with_stored_steps_reads_as_the_whole_row(tmp_path):
+    path = tmp_path / "results.jsonl"
+    row = results_row("u1", steps=STEPS)
+    with ResultsFile(path) as store:
+        store.append(row)
+    raw = json.loads(path.read_text())
+    assert is_pointer(raw["steps"]) and (tmp_path / STEPS_FILE).exists()
+    [back] = read_rows(path)
+    assert back["steps"]["role"] == STEPS["role"] and back["steps"]["token"] == STEPS["token"]
+    assert {k: v for k, v in back.items() if k != "steps"} == {k: v for k, v in row.items() if k != "steps"}
+    with ResultsFile(path, compact_steps=False) as store:  # the inline form still reads, and is written
+        store.append(results_row("u2", steps=STEPS))
+    assert not is_pointer(json.loads(path.read_text().splitlines()[1])["steps"])
+    assert [r["unit"] for r in read_rows(path)] == ["u1", "u2"]
+
+
+@pytest.mark.parametrize("damage,why", [("flip", "checksum"), ("missing", "does not exist"),
+                                        ("pointer", "integer offset")])
+def test_damaged_stored_steps_make_an_invalid_row_named_with_its_line(tmp_path, damage, why):
+    path = tmp_path / "results.jsonl"
+    pointer = store_steps(tmp_path, STEPS)
+    rows = [results_row("u0"), results_row("u1", steps=pointer)]
+    if damage == "flip":
+        data = bytearray((tmp_path / STEPS_FILE).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (tmp_path / STEPS_FILE).write_bytes(bytes(data))
+    elif damage == "missing":
+        (tmp_path / STEPS_FILE).unlink()
+    else:
+        rows[1]["steps"] = {**pointer, "offset": "0"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scan = scan_rows(path)
+    assert [r["unit"] for r in scan.rows] == ["u0"]
+    assert scan.invalid[0][0] == 2 and why in scan.invalid[0][1]
+
+
+@pytest.mark.slow
+def test_a_sweep_stores_its_steps_compactly_and_reports_the_same(tmp_path):
+    from dataclasses import replace
+
+    from verispec.evaluation.report import write_report
+    from verispec.evaluation.sweep import run_sweep
+    from verispec.evaluation.units import SweepSpec
+
+    spec = SweepSpec(suite="shakespeare", target="default", draft="default-draft",
+                     rules=("lenience:l=0.5",), limit=2, max_new_tokens=24)
+    run_sweep(spec, tmp_path / "a", progress=False, batch_size=2)
+    rows = read_rows(tmp_path / "a" / "results.jsonl")
+    assert all(len(r["steps"]["tv"]) == r["tokens"] for r in rows)
+    inline = tmp_path / "inline"
+    inline.mkdir()
+    (inline / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # steps inline
+    for name in ("sweep.json", "runs.jsonl"):
+        (inline / name).write_text((tmp_path / "a" / name).read_text())
+    compact = (tmp_path / "a" / "results.jsonl").stat().st_size + (tmp_path / "a" / STEPS_FILE).stat().st_size
+    assert compact < 0.5 * (inline / "results.jsonl").stat().st_size
+    assert write_report(tmp_path / "a")[0] == write_report(inline)[0]
+    assert replace(spec) == spec
