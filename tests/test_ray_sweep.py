@@ -124,7 +124,8 @@ def test_ray_workers_decode_chunks_by_continuous_batching(cluster, reference, tm
 def test_ray_resumes_a_local_sweep(cluster, reference_dir, reference, tmp_path):
     """The first half of a local sweep's rows, then `--resume` on Ray: the sweep completes with every
     unit once and every row as the local executor wrote it (the executor is not a sweep setting)."""
-    shutil.copy(reference_dir / "sweep.json", tmp_path / "sweep.json")
+    for name in ("sweep.json", "steps.bin"):  # steps.bin: the rows' stored steps
+        shutil.copy(reference_dir / name, tmp_path / name)
     lines = (reference_dir / "results.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "results.jsonl").write_text("".join(lines[: TOTAL // 2]))
     path = run_sweep(SPEC, tmp_path, resume=True, progress=False, batch_size=BATCH, executor="ray",

@@ -21,6 +21,7 @@ import pytest
 from helpers import human_eval_verdict, load_benchmark
 
 from verispec.evaluation import sandbox
+from verispec.evaluation.store import read_rows
 from verispec.evaluation.sandbox import Limits, Outcome, isolation, run_sandboxed
 from verispec.evaluation.suites import load_suite
 
@@ -185,8 +186,7 @@ def test_committed_humaneval_rows_score_the_same_in_the_sandbox(suite_name):
     items = {item.id: item for item in suite.items}
     rows = []
     for path in sorted((REPO / "benchmarks" / "sweeps").glob("*/results.jsonl")):
-        with path.open(encoding="utf-8") as f:
-            rows += [r for line in f if line.strip() and (r := json.loads(line))["suite"] == suite_name]
+        rows += [r for r in read_rows(path) if r["suite"] == suite_name]  # references resolved
     if not rows:
         pytest.skip(f"no committed {suite_name} rows")
     sample = rows[:: max(1, len(rows) // RESCORE_SAMPLE)][:RESCORE_SAMPLE]  # fixed: every n-th row
@@ -405,8 +405,7 @@ def test_sweep_stats_timed_out_runs_only_the_timed_out_rows_again_with_the_longe
 
     monkeypatch.setattr(sandbox, "run_sandboxed", run_recorded)
     path = REPO / "benchmarks" / "sweeps" / "qwen-humaneval-collab-t07" / "results.jsonl"
-    with path.open() as f:
-        rows = [json.loads(line) for line in itertools.islice(f, 4)]
+    rows = read_rows(path)[:4]  # stored as references to the sweep that decoded them
     assert [r["score"] for r in rows] == [1.0, 1.0, 1.0, 0.0]
     rows = [{k: v for k, v in r.items() if k != "reused_from"} for r in rows]  # these were copied
     never_ends = dict(rows[1], text="```python\ndef has_close_elements(numbers, threshold):\n"
