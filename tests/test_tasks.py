@@ -20,6 +20,7 @@ from helpers import REPO, load_benchmark
 from scipy import stats
 
 from verispec.evaluation import comparisons, graded, scorers
+from verispec.evaluation.store import read_rows
 from verispec.evaluation.suites import DATA, load_suite
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.truediv}
@@ -254,7 +255,7 @@ def test_rescore_graded_reads_answers_from_the_prompts_and_replies_like_the_suit
     assert rescore.reply_number(plain, strict=True) is None
     answers = {p["id"]: p["answer"] for p in problems}
     path = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps" / "results.jsonl"
-    rows = [json.loads(line) for line in path.open()]
+    rows = read_rows(path)
     assert len(rows) == 800
     for row in rows:
         got = rescore.reply_number(row["text"], strict=False)
