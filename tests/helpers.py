@@ -32,6 +32,14 @@ def load_benchmark(name: str) -> ModuleType:
     spec.loader.exec_module(module)
     return module
 
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def results_row(unit: str, **extra) -> dict:
     """A minimal results row that passes `rowcheck.row_problem` (a lossless k = 4 row of 4 tokens)."""
     return {"schema": 2, "unit": unit, "config": "lossless k=4 T=1", "rule": "lossless", "family": "lossless",

@@ -94,3 +94,26 @@ def test_a_sweep_stores_its_steps_compactly_and_reports_the_same(tmp_path):
     assert compact < 0.5 * (inline / "results.jsonl").stat().st_size
     assert write_report(tmp_path / "a")[0] == write_report(inline)[0]
     assert replace(spec) == spec
+
+
+@pytest.mark.slow
+def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
+    """scripts/compact_steps.py on a copy of a committed sweep: the steps move to steps.bin, the files
+    shrink, and the report reads the same (the script refuses otherwise)."""
+    import shutil
+    from pathlib import Path
+
+    from helpers import load_script
+    from verispec.evaluation.report import write_report
+
+    source = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-mtbench-pilot"
+    if not source.exists():
+        pytest.skip("the committed sweep is not in this checkout")
+    sweep = tmp_path / "qwen-mtbench-pilot"
+    shutil.copytree(source, sweep)
+    before = write_report(sweep, html_path=tmp_path / "a.html", markdown=True)[0]
+    size = (sweep / "results.jsonl").stat().st_size
+    rows, moved, saved = load_script("compact_steps").compact(sweep, check=False)
+    assert rows == moved == 32 and saved > size / 2
+    assert write_report(sweep, html_path=tmp_path / "b.html", markdown=True)[0] == before
+    assert all(is_pointer(json.loads(line)["steps"]) for line in (sweep / "results.jsonl").open())
