@@ -209,7 +209,8 @@ def _vllm(flags: dict[str, str]) -> EnginePreset:
         top_k = _number(flags, "fly_entropy_top_k", 3, int)
         rule = _rule(f"fly:window={window},threshold={threshold:g},top_k={top_k}", "vllm")
         notes.append("FLy is block-level: its exact law is a block law (docs/design.md, 'fly'); measure "
-                     "its shift with `verispec serve --rule ... --no-diagnostics` and `verispec audit`")
+                     "its shift with `verispec serve --rule ... --no-diagnostics` and `verispec audit`; at "
+                     "temperature 0 vLLM gates on the raw logits' entropy, which this rule does not model")
     else:
         rule = _rule("lossless", "vllm")
     return EnginePreset("vllm", flags, rule, k, notes=tuple(notes))
