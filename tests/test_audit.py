@@ -156,10 +156,13 @@ def test_cli_exit_codes_and_bad_input(server, tmp_path, capsys):
     assert main([*base, "--endpoint", server.url, "--temperature", "0"]) == 2
     assert "greedy" in capsys.readouterr().err
     assert main([*base, "--endpoint", server.url, "--extra-body", "[1]"]) == 2
-    assert main([*base, "--endpoint", server.url, "--samples", "30", "--json",
+    page = tmp_path / "audit.html"
+    assert main([*base, "--endpoint", server.url, "--samples", "30", "--json", "--html", str(page),
                  "--extra-body", json.dumps({"verification": {"rule": "cos:w=1"}})]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["conforms"] is False and report["settings"][0]["endpoint"]["result"]["replies"] == 30
+    text = page.read_text()  # the HTML page: the verdict, the statistics table, the effects
+    assert "DOES NOT CONFORM" in text and "<table>" in text and "Holm p" in text and "power" in text
     with pytest.raises(AuditError, match="no prompts"):
         AuditConfig(endpoint=server.url, target="default", prompts=[]).validate()
 

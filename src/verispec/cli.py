@@ -9,10 +9,11 @@ import shlex
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from verispec import defaults, threads
 from verispec.api import as_dtype, check_device, generate, parse_draft_shape, resolve_target
-from verispec.audit import AuditConfig, load_prompts, render, run_audit
+from verispec.audit import AuditConfig, load_prompts, render, render_html, run_audit
 from verispec.evaluation import sandbox
 from verispec.evaluation.ray_executor import RayExecutorError
 from verispec.evaluation.report import sweep_progress, write_report
@@ -305,6 +306,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         config.candidate_rules = tuple(args.candidate_rules)
     report = run_audit(config, progress=not args.no_progress)
     print(json.dumps(json_safe(report), indent=1) if args.json else render(report))
+    if args.html:
+        Path(args.html).write_text(render_html(report), encoding="utf-8")
+        print(f"HTML report: {Path(args.html).resolve()}", file=sys.stderr)
     return 0 if report["conforms"] else 1
 
 
@@ -625,6 +629,8 @@ def add_audit_parser(sub) -> None:
     audit.add_argument("--max-tokens", type=int, default=64)
     audit.add_argument("--seed", type=int, default=0, help="the first reply's seed (then +1 a reply)")
     audit.add_argument("--alpha", type=float, default=0.01, help="the test's level (Holm over 5 statistics)")
+    audit.add_argument("--html", default=None, metavar="PATH",
+                       help="also write the report as one HTML page (the sweep report's style)")
     audit.add_argument("--draft", default=None,
                        help="the engine's draft model: lossy rules' exact laws join the best-fit candidates")
     audit.add_argument("--candidate-rules", nargs="+", default=None, metavar="RULE",

@@ -16,6 +16,7 @@ Exit status: 0 every audited setting conforms, 1 one does not, 2 the audit could
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import sys
@@ -30,6 +31,7 @@ from verispec.audit.endpoint import AssistedGeneration, Endpoint, EndpointError,
 from verispec.audit.stats import Audit, effects_in_words, log_likelihood
 from verispec.decode import stop_ids
 from verispec.rules import parse as parse_rule
+from verispec.evaluation.report import CSS, html_table
 from verispec.evaluation.store import read_regular_file
 from verispec.sampling import SamplingConfig, process
 
@@ -431,6 +433,50 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def render_html(report: dict) -> str:
+    """The report as one self-contained HTML page in the sweep report's style (`evaluation.report.CSS`):
+    per setting and endpoint, the verdict, the statistics, the effects in words, the power, the best fit."""
+    esc = html.escape
+    title = f"verispec audit of {report['endpoint']}"
+    verdict = "every setting conforms" if report["conforms"] else "DOES NOT CONFORM"
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{esc(title)}</title>",
+             f"<style>{CSS}</style></head><body><h1>{esc(title)}</h1>",
+             f"<p><b>verdict: {esc(verdict)}</b> (against {esc(str(report['target']))}, "
+             f"{report['samples']} replies per setting, at most {report['max_tokens']} tokens, alpha "
+             f"{report['alpha']:g}, Holm over 5 statistics)</p>"]
+    if report["notes"]:
+        parts.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in report["notes"]) + "</ul>")
+    for entry in report["settings"]:
+        for who in ("endpoint", "control"):
+            if who not in entry:
+                continue
+            e, r = entry[who], entry[who]["result"]
+            state = "conforms" if r["conforms"] else "does not conform"
+            parts.append(f"<h2>{esc(who)}: {esc(e['setting'])}, {state}</h2><p class='note'>"
+                         f"{r['replies']} replies, {r['tokens']} tokens, {r['stopped']} ended at a stop "
+                         "token</p>")
+            rows = [[name, f"{s.get('z', s.get('d')):+.3f}", f"{s['p']:.3g}",
+                     f"{r['holm'].get(name, math.nan):.3g}"] for name, s in r["statistics"].items()]
+            parts.append(html_table(["statistic", "value (z, or KS D)", "p", "Holm p"], rows,
+                                    ["worse" if r["holm"].get(name, 1) < report["alpha"] else ""
+                                     for name in r["statistics"]]))
+            items = list(e["effects"])
+            items.append("power (the claimed law at 5% off its temperature, same positions): " + ", ".join(
+                f"{k}: {'caught' if v['detected'] else 'NOT caught'}" for k, v in e["power"].items()))
+            if "too_few_tokens" in e:
+                items.append(e["too_few_tokens"])
+            if not r["conforms"]:
+                b = e["best_fit"]
+                items.append(f"best-fitting law: {b['law']} ({b['gain_nats_per_token']:+.4f} nats a token "
+                             f"over the claimed law; {b['lead_nats_per_token']:.4f} ahead of "
+                             f"{b['runner_up']})")
+            parts.append("<ul>" + "".join(f"<li>{esc(i)}</li>" for i in items) + "</ul>")
+        if "control" in entry:
+            parts.append(f"<p><b>reading:</b> {esc(entry['reading'])}</p>")
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
 def load_prompts(path: str) -> list[str]:
     """Prompts from a file: JSONL with a "prompt" field per line, or plain text, one prompt a line."""
     raw = read_regular_file(Path(path), 64 * 2**20, "prompts file").decode("utf-8")
@@ -453,4 +499,4 @@ def load_prompts(path: str) -> list[str]:
     return prompts
 
 
-__all__ = ["AuditConfig", "AuditError", "run_audit", "render", "load_prompts"]
+__all__ = ["AuditConfig", "AuditError", "run_audit", "render", "render_html", "load_prompts"]

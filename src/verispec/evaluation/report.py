@@ -565,7 +565,7 @@ th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}tr.worse td{
 .note{color:#555;font-size:13px}img{max-width:100%;border:1px solid #eee;margin:.5em 0}"""
 
 
-def _html_table(head: list[str], body: list[list[str]], classes: list[str] | None = None) -> str:
+def html_table(head: list[str], body: list[list[str]], classes: list[str] | None = None) -> str:
     classes = classes or [""] * len(body)
     rows = "".join(
         f"<tr class='{c}'>" + "".join(f"<td>{html.escape(x)}</td>" for x in r) + "</tr>"
@@ -587,7 +587,7 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
     parts.append("<p class='note'>" + " &middot; ".join(f"{html.escape(str(k))}: {html.escape(str(v))}"
                                                         for k, v in meta.items()) + "</p>")
     parts.append("<h2>Speed, shift and quality per rule</h2>")
-    parts.append(_html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
+    parts.append(html_table(head, body, ["worse" if s["flag"] else "" for s in summary]))
     parts.append("<p class='note'>accept: accepted/proposed draft tokens; tok/call: tokens per target "
                  "forward pass; drafted/call: draft tokens (tree nodes) per target pass; speedup: "
                  "throughput (tokens/s) vs plain decoding on the same units, "
@@ -617,7 +617,7 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
                           ("quality_vs_speed", "Quality vs speed"), ("overshoot", "Overshoot distribution")):
         parts.append(f"<h3>{caption}</h3><img alt='{name}' src='data:image/png;base64,{figs[name]}'>")
     parts.append("<h2>Robustness across prompts</h2>")
-    parts.append(_html_table(["config", "units", "spread of per-prompt TV (sd)", "worst prompt TV",
+    parts.append(html_table(["config", "units", "spread of per-prompt TV (sd)", "worst prompt TV",
                               "worst prompts"],
                              [[s["config"], str(s["units"]),
                                _fmt(s["prompt_tv_spread"], 4), _fmt(s["prompt_tv_max"], 4),
@@ -627,12 +627,12 @@ def render_html(summary: list[dict], title: str, meta: dict, outcomes: str = "")
                  "acceptance and mean TV of the emitted law; accepted tokens binned by their overshoot "
                  "q(x)/p(x).</p>")
     conf_head = ["config"] + [f"max q {b['bin']}" for b in summary[0]["by_confidence"]] if summary else []
-    parts.append(_html_table(conf_head, [[s["config"]] + [
+    parts.append(html_table(conf_head, [[s["config"]] + [
         f"n={b['positions']} acc={_fmt(b['acceptance'], 2)} TV={_fmt(b['tv'], 3)}"
         for b in s["by_confidence"]]
         for s in summary if s["rule"] != "plain"]))
     over_head = ["config"] + [f"q/p {b['bin']}" for b in summary[0]["by_overshoot"]] if summary else []
-    parts.append(_html_table(over_head, [[s["config"]] + [
+    parts.append(html_table(over_head, [[s["config"]] + [
         f"{b['accepted']} ({_fmt(b['share'], 2)}) TV={_fmt(b['tv'], 3)}" for b in s["by_overshoot"]]
         for s in summary if s["rule"] != "plain"]))
     parts.append("<p class='note'>Load the raw rows in pandas: "
