@@ -10,7 +10,9 @@ and the Qwen 0.5B part packages; skipped otherwise, with the install line."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -47,7 +49,8 @@ def speculative_server():
     port = free_port()
     process = subprocess.Popen([SERVER, "-m", gguf, "--port", str(port), "--ctx-size", "2048", "--",
                                 "-md", gguf, "--spec-draft-n-max", "4", "--threads", "2"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # one group: the wrapper and its server end together
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -58,10 +61,10 @@ def speculative_server():
         except OSError:
             time.sleep(1)
     else:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("llama-cpp-server did not become healthy in 180 s")
     yield url
-    process.terminate()
+    os.killpg(process.pid, signal.SIGTERM)  # the console script and the llama-server it started
     process.wait(timeout=30)
 
 
