@@ -4,7 +4,7 @@
   (`-int4`: about a third of the dense bf16 memory, faster on CPU); an explicit dtype keeps the dense
   weights in it (float32 by `--dtype float32`).
 - `check_fits(models)`: a pair whose peak resident size (per named model and dtype, measured:
-  RESIDENT_GB, summed) is larger than the memory available now (`MemAvailable`, so other processes'
+  RESIDENT_GB, loaded in turn) is larger than the memory available now (`MemAvailable`, so other processes'
   memory counts) is refused before either loads, with the size and a smaller alternative. It runs
   beside `hf.check_memory`, which estimates one model at a time from its parameter count (any path);
   the measured peaks are the larger (a load's transient copies), and a pair is checked as a whole.
@@ -19,13 +19,16 @@ from verispec.models.hf import available_memory
 
 FAST_PATH = {"qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-int4", "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-int4"}
 
-# Peak resident memory of loading each named model and running a few tokens, in GB (10^9 bytes), read
-# with /usr/bin/time -v (benchmarks/RESULTS.md, 'Resident memory of the named models'); None: not
-# measured, no check. Keyed by (name, dtype).
-RESIDENT_GB: dict[tuple[str, str], float] = {
-    ("qwen2.5-coder-0.5b-int4", "float32"): 2.16,  # float32: the model's own (int4 weights, bf16 compute)
-    ("qwen2.5-coder-0.5b", "bfloat16"): 3.18,
-    ("qwen2.5-coder-0.5b", "float32"): 7.01,
+# Resident memory of loading each named model and decoding a few tokens with it, in GB (10^9 bytes):
+# (peak, resident after), from /proc/self/status VmHWM and VmRSS (benchmarks/model_memory.py; RESULTS,
+# 'Resident memory of the named models'); a model not listed is not checked here. Keyed by (name, dtype).
+RESIDENT_GB: dict[tuple[str, str], tuple[float, float]] = {
+    ("qwen2.5-coder-1.5b-int4", "float32"): (6.93, 5.36),  # float32: the model's own (int4, bf16 compute)
+    ("qwen2.5-coder-1.5b", "bfloat16"): (7.68, 6.80),
+    ("qwen2.5-coder-1.5b", "float32"): (15.44, 14.57),
+    ("qwen2.5-coder-0.5b-int4", "float32"): (2.16, 1.92),
+    ("qwen2.5-coder-0.5b", "bfloat16"): (3.18, 2.64),
+    ("qwen2.5-coder-0.5b", "float32"): (7.01, 6.50),
 }
 
 SKIP_ENV = "VERISPEC_SKIP_MEMORY_CHECK"
@@ -51,10 +54,16 @@ def available_gb() -> float | None:
 
 
 def needed_gb(models: list[tuple[object, str]]) -> float | None:
-    """The measured resident size of loading these (name, dtype) models together, or None when one of
-    them was not measured (a path, a model object, an unmeasured dtype)."""
+    """The peak resident size of loading these (name, dtype) models one after the other (the target, then
+    the draft): the largest of, for each model, what the ones before it hold after loading plus its own
+    peak. None when one was not measured (a path, a model object, an unmeasured dtype)."""
     sizes = [RESIDENT_GB.get((name, dtype)) if isinstance(name, str) else None for name, dtype in models]
-    return None if any(size is None for size in sizes) else sum(sizes)
+    if any(size is None for size in sizes):
+        return None
+    need, held = 0.0, 0.0
+    for peak, after in sizes:
+        need, held = max(need, held + peak), held + after
+    return need
 
 
 def check_fits(models: list[tuple[object, str]], available: float | None = None) -> None:
