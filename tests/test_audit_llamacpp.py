@@ -48,7 +48,7 @@ def speculative_server():
     gguf = str(qwen.gguf_path(qwen.QWEN_0_5B))
     port = free_port()
     process = subprocess.Popen([SERVER, "-m", gguf, "--port", str(port), "--ctx-size", "2048", "--",
-                                "-md", gguf, "--spec-draft-n-max", "4", "--threads", "2"],
+                                "-md", gguf, "--spec-draft-n-max", "4", "--threads", "1"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)  # one group: the wrapper and its server end together
     url = f"http://127.0.0.1:{port}"
@@ -69,15 +69,15 @@ def speculative_server():
 
 
 def audit(url: str, extra: dict, alpha: float) -> dict:
-    config = AuditConfig(endpoint=url, target="qwen2.5-coder-0.5b-gguf", prompts=PROMPTS, samples=32,
-                         max_tokens=16, settings=(SamplingConfig(1.0),), alpha=alpha, extra=extra, chat=True)
+    config = AuditConfig(endpoint=url, target="qwen2.5-coder-0.5b-gguf", prompts=PROMPTS, samples=24,
+                         max_tokens=12, settings=(SamplingConfig(1.0),), alpha=alpha, extra=extra, chat=True)
     return run_audit(config)
 
 
 def test_llama_cpp_speculative_server_conforms_with_samplers_neutralised(speculative_server):
     report = audit(speculative_server, {"top_k": 0, "top_p": 1.0, "min_p": 0.0}, alpha=0.001)
     entry = report["settings"][0]["endpoint"]
-    assert entry["result"]["tokens"] > 300
+    assert entry["result"]["tokens"] > 200
     assert report["conforms"], entry["result"]["holm"]
     assert entry["endpoint_logprobs"]["median_gap_to_raw_model"] < 0.05  # its log-probs: the raw model's
 

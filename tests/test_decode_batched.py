@@ -66,6 +66,8 @@ def assert_same(batched, single):
     assert batched.finish == single.finish
     assert batched.rule == single.rule
     assert (batched.target_calls, batched.draft_calls) == (single.target_calls, single.draft_calls)
+    if batched.steps is None and single.steps is None:  # decoded without diagnostics (fly)
+        return
     assert batched.steps is not None and single.steps is not None
     assert batched.steps.keys() == single.steps.keys()
     for key in single.steps:
@@ -83,7 +85,8 @@ QUICK = {"lossless", "greedy", "hsd", "speccascade:min_p=0.3", "budget:tv=0.05,r
 def test_every_rule_batched_equals_batch1(spec):
     target, draft = toy_pair()
     rule = parse(spec)
-    config = DecodeConfig(k=3, max_new_tokens=12)
+    # a lossy block rule (fly) has no per-position law: decoded without diagnostics
+    config = DecodeConfig(k=3, max_new_tokens=12, diagnostics=not (rule.block_level and not rule.lossless))
     for b in (1, 3, 8):
         ps = prompts(b, seed=b)
         batched = speculative_decode_batch(target, ModelDrafter(draft), ps, rule, config, gens(b, 100 * b))
