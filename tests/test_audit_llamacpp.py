@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
 import pytest
 
+from test_serve import free_port
 from verispec.audit import AuditConfig, run_audit
 from verispec.models import llamacpp, qwen
 from verispec.sampling import SamplingConfig
@@ -35,12 +35,6 @@ pytestmark = [
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is a linked list?",
            "Explain recursion in one paragraph.", "Write a haiku about compilers."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

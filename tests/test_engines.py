@@ -6,7 +6,6 @@ sampler, llama.cpp's sample-and-compare, and vLLM's FLy pre-pass (tests/test_fly
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -171,7 +170,7 @@ def test_cli_prints_the_preset(capsys):
                  "rejection_sample_method=fly,num_speculative_tokens=8", "--json"]) == 0
     preset = __import__("json").loads(capsys.readouterr().out)
     assert preset["rule"] == "fly:window=6,threshold=0.3,top_k=3" and preset["k"] == 8
-    assert not preset["lossless"] and math.isfinite(preset["k"])
+    assert not preset["lossless"]
     assert main(["rules", "--from-engine", "max", "--engine-flags", "bogus=1"]) == 2
     assert "this preset knows" in capsys.readouterr().err
     assert main(["run", "--from-engine", "sglang", "--rule", "lossless", "--prompt", "hi"]) == 2

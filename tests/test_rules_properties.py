@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from helpers import SPECS
 from verispec.probability import check_probs
 from verispec.rules import parse
-from verispec.rules.hsd import hsd_levels
 
 
 @st.composite
@@ -57,9 +56,7 @@ def test_verify_properties(spec, data):
         assert (res.tokens[i, n + 1 :] == -1).all()  # then padding
         if n == k:
             law = rule._bonus(p[i, k])
-        elif rule.name == "hsd":
-            law = hsd_levels(p[i : i + 1], q[i : i + 1], x[i : i + 1])[1][0, n]
-        elif rule.block_level:
+        elif rule.block_level:  # hsd, fly: the law after n accepted drafts, from the block law
             law = rule.block_law(p[i : i + 1], q[i : i + 1], x[i : i + 1]).last_laws[0, n]
         else:
             law = rule.residual_after(p[i, n], q[i, n], x[i, n])

@@ -7,12 +7,18 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from helpers import results_row
-from verispec.evaluation.stepstore import (STEPS_FILE, decode_steps, encode_steps, float32_equal, is_pointer,
-                                           store_steps)
+from verispec.evaluation.stepstore import STEPS_FILE, decode_steps, encode_steps, is_pointer, store_steps
 from verispec.evaluation.store import ResultsFile, read_rows, scan_rows
+
+
+def float32_equal(a: float, b: float) -> bool:
+    """Whether b is a as float32 stores it (NaN and infinities included)."""
+    return math.isnan(b) if math.isnan(a) else float(np.float32(a)) == b
+
 
 STEPS = {"token": [5, 17, 151643, 3], "role": ["accepted", "bonus", "recovered", "accepted"],
          "tv": [0.0, 0.123456789, float("nan"), 1.0], "kl": [float("inf"), 1e-9, 2.5, 0.0],
@@ -74,8 +80,6 @@ def test_damaged_stored_steps_make_an_invalid_row_named_with_its_line(tmp_path, 
 
 @pytest.mark.slow
 def test_a_sweep_stores_its_steps_compactly_and_reports_the_same(tmp_path):
-    from dataclasses import replace
-
     from verispec.evaluation.report import write_report
     from verispec.evaluation.sweep import run_sweep
     from verispec.evaluation.units import SweepSpec
@@ -93,7 +97,6 @@ def test_a_sweep_stores_its_steps_compactly_and_reports_the_same(tmp_path):
     compact = (tmp_path / "a" / "results.jsonl").stat().st_size + (tmp_path / "a" / STEPS_FILE).stat().st_size
     assert compact < 0.5 * (inline / "results.jsonl").stat().st_size
     assert write_report(tmp_path / "a")[0] == write_report(inline)[0]
-    assert replace(spec) == spec
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ from stored steps are checked equal to those from the full-precision rows when a
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import zlib
@@ -139,9 +138,3 @@ class StepsReader:
         except ValueError as err:
             return str(err)
 
-
-def float32_equal(a: float, b: float) -> bool:
-    """Whether b is a as float32 stores it (NaN and infinities included)."""
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
-    return float(np.float32(a)) == b

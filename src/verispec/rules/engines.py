@@ -174,6 +174,12 @@ def _rule(spec: str, engine: str) -> Rule:
         raise ValueError(f"{engine}: the flags give {spec!r}, which is out of range: {err}") from None
 
 
+def _relaxed(flags: dict[str, str], engine: str, topk: int, delta: float) -> Rule:
+    """Relaxed acceptance (`relaxed_topk`, `relaxed_delta`; the engine's defaults) as `relaxed:n=,delta=`."""
+    topk, delta = _number(flags, "relaxed_topk", topk, int), _number(flags, "relaxed_delta", delta)
+    return _rule(f"relaxed:n={topk},delta={delta:g}", engine)
+
+
 # -- vLLM ------------------------------------------------------------------------------------------
 
 
@@ -283,9 +289,7 @@ def _tensorrt(flags: dict[str, str]) -> EnginePreset:
     k = _number(flags, "max_draft_len", _number(flags, "num_nextn_predict_layers", None, int), int)
     notes = []
     if relaxed:
-        topk = _number(flags, "relaxed_topk", 1, int)
-        delta = _number(flags, "relaxed_delta", 0.0)
-        rule = _rule(f"relaxed:n={topk},delta={delta:g}", "tensorrt-llm")
+        rule = _relaxed(flags, "tensorrt-llm", 1, 0.0)
         notes.append("relaxed acceptance applies between the thinking-phase tokens "
                      "(begin_thinking_phase_token .. end_thinking_phase_token); the answer after them is "
                      "verified exactly")
@@ -320,9 +324,7 @@ def _max(flags: dict[str, str]) -> EnginePreset:
     if "rejection_sampling_strategy" not in flags:
         notes.append("no strategy given: MAX's default for EAGLE and MTP, typical-acceptance (lossy)")
     if _bool(flags, "use_relaxed_acceptance_for_thinking", False):
-        topk = _number(flags, "relaxed_topk", 10, int)
-        delta = _number(flags, "relaxed_delta", 0.6)
-        rule = _rule(f"relaxed:n={topk},delta={delta:g}", "max")
+        rule = _relaxed(flags, "max", 10, 0.6)
         notes.append("relaxed acceptance for thinking (MAX's relaxed_topk 10, relaxed_delta 0.6 unless "
                      "given)")
     elif strategy == "residual":

@@ -77,7 +77,7 @@ def fly_num_accepted_probs(a: Tensor, e: Tensor, num_drafts: Tensor, window: int
         defer = (1 - a[:, i]) * e[:, i].double() * window_pass
         stop = state[:, 0] * (1 - a[:, i] - defer)
         nxt = torch.zeros_like(state)
-        nxt[:, 0] = state[:, 0] * a[:, i] + state[:, 1] if window >= 1 else state[:, 0] * a[:, i]
+        nxt[:, 0] = state[:, 0] * a[:, i] + state[:, 1]  # kept natively, or one known pass used up
         nxt[:, 1:window] = state[:, 2:]
         nxt[:, window] += state[:, 0] * defer
         out[:, i] = torch.where(live, stop.clamp_min(0), 0.0)
