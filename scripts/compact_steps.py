@@ -1,5 +1,6 @@
-"""Move a sweep's inline per-position arrays (`steps`) into its steps.bin (`verispec.evaluation.stepstore`):
-each row keeps a pointer instead of its arrays, which shrinks results.jsonl several-fold.
+"""Move a sweep's inline per-position arrays (`steps`) and token ids into its steps.bin
+(`verispec.evaluation.stepstore`) and write its rows as strict JSON (`store.strict_json`): each row keeps
+pointers instead of its arrays, which shrinks results.jsonl several-fold.
 
     python scripts/compact_steps.py benchmarks/sweeps/qwen-mtbench-pilot [...] [--check]
 
@@ -12,7 +13,6 @@ once read back. `--check` changes nothing and prints what would change.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from verispec.evaluation.report import write_report
-from verispec.evaluation.stepstore import STEPS_FILE, is_pointer, store_steps
+from verispec.evaluation.stepstore import STEPS_FILE, compact_row
+from verispec.evaluation.store import SAME_AS, load_row, strict_json
 
 
 def compact(sweep: Path, check: bool) -> tuple[int, int, int]:
@@ -39,20 +40,15 @@ def compact(sweep: Path, check: bool) -> tuple[int, int, int]:
             if not line.strip():
                 continue
             rows += 1
-            row = json.loads(line)
-            steps = row.get("steps")
-            pointer = (store_steps(work, steps) if isinstance(steps, dict) and steps and not is_pointer(steps)
-                       and "same_as" not in row else None)
-            if pointer is None:
-                lines.append(line)
-            else:
-                lines.append(json.dumps({**row, "steps": pointer}, allow_nan=True).encode())
-                moved += 1
+            row = load_row(line)
+            new = row if SAME_AS in row else compact_row(work, row)
+            moved += new is not row
+            lines.append(strict_json(new).encode())
         (work / "results.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
         kept = [work / n for n in ("results.jsonl", STEPS_FILE) if (work / n).exists()]
         new_size = sum(p.stat().st_size for p in kept)
         old_size = len(raw) + ((sweep / STEPS_FILE).stat().st_size if (sweep / STEPS_FILE).exists() else 0)
-        if check or moved == 0:
+        if check or (moved == 0 and lines == [line for line in raw.split(b"\n") if line.strip()]):
             return rows, moved, old_size - new_size
         before = write_report(sweep, html_path=work / "before.html", markdown=True)[0]
         after = write_report(work, html_path=work / "after.html", markdown=True)[0]

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from verispec.evaluation.store import SAME_AS, reference_row, scan_rows
+from verispec.evaluation.store import SAME_AS, load_row, reference_row, scan_rows, strict_json
 
 
 def originals(sweeps_root: Path) -> dict[str, list[tuple[str, dict]]]:
@@ -44,7 +44,7 @@ def rewrite(sweep: Path, index: dict[str, list[tuple[str, dict]]], check: bool) 
         if not line.strip():
             out_lines.append(line)
             continue
-        row = json.loads(line)
+        row = load_row(line)
         if "reused_from" in row and SAME_AS not in row:
             for name, source in index.get(row.get("unit"), []):
                 if name == sweep.name:
@@ -55,7 +55,7 @@ def rewrite(sweep: Path, index: dict[str, list[tuple[str, dict]]], check: bool) 
                     continue
                 resolved = {**source, **{k: v for k, v in ref.items() if k != SAME_AS}}
                 if canonical(resolved) == canonical(row):
-                    out_lines.append(json.dumps(ref).encode())
+                    out_lines.append(strict_json(ref).encode())
                     made += 1
                     break
             else:

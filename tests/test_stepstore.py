@@ -120,3 +120,61 @@ def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
     assert rows == moved == 32 and saved > size / 2
     assert write_report(sweep, html_path=tmp_path / "b.html", markdown=True)[0] == before
     assert all(is_pointer(json.loads(line)["steps"]) for line in (sweep / "results.jsonl").open())
+
+
+def test_equal_columns_are_stored_once_and_read_back_as_themselves():
+    steps = {**STEPS, "log_target_raw": list(STEPS["log_target"])}  # equal at T = 1, no truncation
+    record = encode_steps(steps)
+    assert len(record) < len(encode_steps(STEPS)) + 40  # a reference, not a second column
+    back = decode_steps(record)
+    assert back["log_target_raw"] == back["log_target"] and list(back) == list(steps)
+    back["log_target_raw"][0] = 99.0  # two lists, not one aliased
+    assert back["log_target"][0] != 99.0
+
+
+def test_a_record_of_the_first_writer_zlib_and_plain_columns_still_reads():
+    import struct
+    import zlib
+
+    head = json.dumps({"n": 2, "fields": [["tv", "f4"], ["token", "i4"]]}).encode()
+    body = np.array([0.25, 0.5], np.float32).tobytes() + np.array([7, 9], np.int32).tobytes()
+    back = decode_steps(zlib.compress(struct.pack("<I", len(head)) + head + body))
+    assert back == {"tv": [0.25, 0.5], "token": [7, 9]}
+
+
+def test_token_ids_are_stored_beside_the_steps_and_read_back(tmp_path):
+    path = tmp_path / "results.jsonl"
+    row = {**results_row("u1", steps=STEPS), "token_ids": [151643, 0, 5, 17]}
+    with ResultsFile(path) as store:
+        store.append(row)
+    raw = json.loads(path.read_text())
+    assert is_pointer(raw["token_ids"]) and is_pointer(raw["steps"])
+    [back] = read_rows(path)
+    assert back["token_ids"] == row["token_ids"]
+    raw["token_ids"] = raw["steps"]  # a pointer at a record of other columns: named, not misread
+    path.write_text(json.dumps(raw) + "\n")
+    scan = scan_rows(path)
+    assert not scan.rows and "other columns" in scan.invalid[0][1]
+
+
+def test_rows_are_strict_json_and_read_back_with_their_nan_and_infinities(tmp_path):
+    from verispec.evaluation.store import strict_json
+
+    path = tmp_path / "results.jsonl"
+    row = {**results_row("u1"), "acceptance_rate": float("nan"), "log_ratio": float("-inf"),
+           "metrics": {"distinct_2": float("nan"), "repetition_4": 0.5}, "steps": {"tv": [0.1, None]}}
+    row["steps"]["kl"] = [float("inf"), 0.0]  # steps that stay inline (a None) keep their infinity too
+    with ResultsFile(path) as store:
+        store.append(row)
+    text = path.read_text()
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in a stored row"))
+    [back] = scan_rows(path).rows  # (no row check: these steps are not a decoder's)
+    assert math.isnan(back["acceptance_rate"]) and back["log_ratio"] == -math.inf
+    assert math.isnan(back["metrics"]["distinct_2"]) and back["metrics"]["repetition_4"] == 0.5
+    assert back["steps"]["kl"] == [math.inf, 0.0] and back["steps"]["tv"] == [0.1, None]
+    assert strict_json(back) == text.strip()  # written again, the same line
+    bad = json.loads(text)
+    bad["non_finite"] = [[["tokens"], "nan"]]  # names a value that is not null
+    path.write_text(json.dumps(bad) + "\n" + json.dumps(results_row("u2")) + "\n")
+    scan = scan_rows(path)
+    assert [r["unit"] for r in scan.rows] == ["u2"] and "not null" in scan.skipped[0]

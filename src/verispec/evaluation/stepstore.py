@@ -1,12 +1,16 @@
-"""Compact storage of a row's per-position arrays (`steps`): columns in a compressed binary file beside the
-results, so a sweep adds a few MB rather than tens (docs/design.md, 'Sweep units and reuse').
+"""Compact storage of a row's per-position arrays (`steps`) and its token ids: columns in a compressed
+binary file beside the results, so a sweep adds a few MB rather than tens (docs/design.md, 'Sweep units
+and reuse').
 
-`steps.bin` is append-only: each row's steps are one zlib-compressed record (a JSON header naming each
-column and its type, then the columns: float32 numbers, int32 token ids, uint8 codes of a string
-column's values), written and fsync'ed before the row that points at it. The row then holds
-`"steps": {"stored": "steps.bin", "offset": O, "length": L, "crc32": C}`. A kill between the two leaves
-bytes no row points at, which nothing reads. `store.scan_rows` resolves the pointer (checking the
-checksum); a pointer that cannot be read makes its row invalid, named with its line.
+`steps.bin` is append-only: each row's steps (and, in another record, its token ids) are one compressed
+record: a JSON header naming each column and its type, then the columns (float32 numbers and int32 ids
+with their bytes regrouped by significance, which compresses them better; uint8 codes of a string
+column's values; a column equal to an earlier one is stored as a reference to it). Records are raw
+LZMA2 (`lzma`) after a 3-byte mark; zlib records, as the first writer made them, still read. A record is written and fsync'ed before
+the row that points at it; the row then holds `{"stored": "steps.bin", "offset": O, "length": L,
+"crc32": C}` in place of the array(s). A kill between the two leaves bytes no row points at, which nothing
+reads. `store.scan_rows` resolves the pointers (checking the checksum); a pointer that cannot be read
+makes its row invalid, named with its line.
 
 Numbers are kept as float32 (7 significant digits; the reports print 3-4): the figures a report prints
 from stored steps are checked equal to those from the full-precision rows when a sweep is converted
@@ -16,6 +20,7 @@ from stored steps are checked equal to those from the full-precision rows when a
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import struct
 import zlib
@@ -27,6 +32,22 @@ import numpy as np
 STEPS_FILE = "steps.bin"
 STORED = "stored"  # the key of a pointer (an inline steps dict has the step fields as keys)
 MAX_RECORD = 256 * 2**20
+LZMA_MAGIC = b"VX2"  # then raw LZMA2 (no container: its 60 bytes would weigh on short rows); zlib starts 0x78
+_LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 2**22}]
+# a column kind's dtype ("s": bytes regrouped by `_shuffle`; "i4"/"f4": the first writer's plain columns)
+_DTYPES = {"cat": np.uint8, "i4": np.int32, "f4": np.float32, "i4s": np.int32, "f4s": np.float32}
+TOKEN_IDS = "token_ids"  # the row field whose list may be stored as a one-column record
+
+
+def _shuffle(values: np.ndarray) -> bytes:
+    """The bytes of a 4-byte column regrouped by significance (all first bytes, then all second, ...):
+    neighbouring floats share exponents, which a compressor then sees as runs."""
+    return values.view(np.uint8).reshape(-1, 4).T.tobytes()  # [n, 4] -> [4, n]
+
+
+def _unshuffle(raw: bytes, dtype) -> np.ndarray:
+    n = len(raw) // 4
+    return np.frombuffer(raw, dtype=np.uint8).reshape(4, n).T.copy().view(dtype).reshape(n)  # [4,n]->[n]
 
 
 def _column(name: str, values: list) -> tuple[list, bytes] | None:
@@ -40,9 +61,9 @@ def _column(name: str, values: list) -> tuple[list, bytes] | None:
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         if values and (min(values) < -2**31 or max(values) >= 2**31):
             return None
-        return [name, "i4"], np.array(values, dtype=np.int32).tobytes()
+        return [name, "i4s"], _shuffle(np.array(values, dtype=np.int32))
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return [name, "f4"], np.array(values, dtype=np.float32).tobytes()
+        return [name, "f4s"], _shuffle(np.array(values, dtype=np.float32))
     return None
 
 
@@ -54,46 +75,65 @@ def encode_steps(steps: dict) -> bytes | None:
     lengths = {len(v) for v in steps.values()}
     if len(lengths) != 1:
         return None
-    header, chunks = {"n": lengths.pop(), "fields": []}, []
+    header, chunks, seen = {"n": lengths.pop(), "fields": []}, [], {}
     for name, values in steps.items():
         column = _column(str(name), values)
         if column is None:
             return None
-        header["fields"].append(column[0])
-        chunks.append(column[1])
+        entry, data = column
+        key = (json.dumps(entry[1:]), data)
+        if key in seen:  # the same values as an earlier column (e.g. raw and processed logs at T = 1)
+            header["fields"].append([entry[0], "same", seen[key]])
+            continue
+        seen[key] = entry[0]
+        header["fields"].append(entry)
+        chunks.append(data)
     head = json.dumps(header).encode()
-    return zlib.compress(struct.pack("<I", len(head)) + head + b"".join(chunks), 6)
+    data = struct.pack("<I", len(head)) + head + b"".join(chunks)
+    return LZMA_MAGIC + lzma.compress(data, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
 
 
 def decode_steps(record: bytes) -> dict:
     """The steps dict of one record (float32 numbers come back as Python floats). ValueError if damaged."""
     try:
-        raw = zlib.decompress(record)
+        raw = (lzma.decompress(record[len(LZMA_MAGIC):], format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+               if record.startswith(LZMA_MAGIC) else zlib.decompress(record))
         (size,) = struct.unpack("<I", raw[:4])
         header = json.loads(raw[4:4 + size])
         n, at, out = int(header["n"]), 4 + size, {}
         for field in header["fields"]:
             name, kind = field[0], field[1]
-            dtype = {"cat": np.uint8, "i4": np.int32, "f4": np.float32}[kind]
+            if kind == "same":
+                out[name] = list(out[field[2]])
+                continue
+            dtype = _DTYPES[kind]
             end = at + n * np.dtype(dtype).itemsize
-            column = np.frombuffer(raw[at:end], dtype=dtype)
-            if len(column) != n:
+            if len(raw[at:end]) != end - at:
                 raise ValueError("a column is cut short")
+            chunk = raw[at:end]
+            column = _unshuffle(chunk, dtype) if kind.endswith("s") else np.frombuffer(chunk, dtype)
             at = end
             if kind == "cat":
                 out[name] = [field[2][i] for i in column.tolist()]
-            elif kind == "i4":
+            elif kind in ("i4", "i4s"):
                 out[name] = column.astype(np.int64).tolist()
             else:  # NaN as json's own NaN object, as a row read from JSON holds it (so rows compare equal)
                 out[name] = [NaN if v != v else v for v in column.astype(np.float64).tolist()]
         return out
-    except (zlib.error, struct.error, ValueError, KeyError, IndexError, TypeError) as err:
+    except (zlib.error, lzma.LZMAError, struct.error, ValueError, KeyError, IndexError, TypeError) as err:
         raise ValueError(f"a damaged steps record ({err})") from None
 
 
-def store_steps(directory: Path, steps: dict) -> dict | None:
-    """Append `steps` to DIRECTORY/steps.bin (fsync'ed) and return the row's pointer to them, or None
-    when they cannot be stored compactly (the caller keeps them inline)."""
+def store_steps(directory: Path, steps: dict | list) -> dict | None:
+    """Append `steps` (a steps dict, or a list of token ids) to DIRECTORY/steps.bin (fsync'ed) and return
+    the row's pointer to them, or None when they cannot be stored compactly (the caller keeps them
+    inline)."""
+    if isinstance(steps, list):
+        if not steps:
+            return None
+        steps = {TOKEN_IDS: steps}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in steps[TOKEN_IDS]):
+            return None
     record = encode_steps(steps)
     if record is None:
         return None
@@ -138,3 +178,35 @@ class StepsReader:
         except ValueError as err:
             return str(err)
 
+
+
+STORED_FIELDS = ("steps", TOKEN_IDS)  # the row fields kept in steps.bin
+
+
+def compact_row(directory: Path, row: dict) -> dict:
+    """`row` with its steps and token ids appended to DIRECTORY/steps.bin and replaced by pointers (each
+    left inline where it cannot be stored compactly, or is already a pointer)."""
+    out = row
+    for key in STORED_FIELDS:
+        value = row.get(key)
+        if value and isinstance(value, (dict, list)) and not is_pointer(value):
+            pointer = store_steps(directory, value)
+            if pointer is not None:
+                out = {**out, key: pointer}
+    return out
+
+
+def resolve_row(reader: StepsReader, row: dict) -> dict | str:
+    """`row` with its stored fields read back, or the reason one cannot be (a str)."""
+    out = row
+    for key in STORED_FIELDS:
+        if is_pointer(row.get(key)):
+            loaded = reader.load(row[key])
+            if isinstance(loaded, str):
+                return f"stored {key} that cannot be read: {loaded}"
+            if key == TOKEN_IDS:
+                if list(loaded) != [TOKEN_IDS]:
+                    return f"stored {key} that cannot be read: a record of other columns"
+                loaded = loaded[TOKEN_IDS]
+            out = {**out, key: loaded}
+    return out

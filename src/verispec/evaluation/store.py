@@ -20,6 +20,7 @@ from __future__ import annotations
 import calendar
 import json
 import logging
+import math
 import os
 import re
 import stat
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from verispec.evaluation.rowcheck import row_problem
-from verispec.evaluation.stepstore import StepsReader, is_pointer, store_steps
+from verispec.evaluation.stepstore import StepsReader, compact_row, resolve_row
 from verispec.machine import describe
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,65 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "special file"
+
+
+NON_FINITE = "non_finite"  # a row's key: where it held NaN or an infinity, stored as null (strict JSON)
+_NON_FINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def strict_json(row: dict) -> str:
+    """The row as strict JSON (what any parser reads): each NaN or infinity is written null and named,
+    by its path, under `non_finite`, so `scan_rows` gives the row back exactly."""
+    found: list = []
+
+    def walk(value, path: list):
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append([path, "nan" if value != value else "inf" if value > 0 else "-inf"])
+            return None
+        if isinstance(value, dict):
+            return {key: walk(item, [*path, key]) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item, [*path, i]) for i, item in enumerate(value)]
+        return value
+
+    clean = walk({key: value for key, value in row.items() if key != NON_FINITE}, [])
+    if found:
+        clean[NON_FINITE] = found
+    return json.dumps(clean, allow_nan=False)
+
+
+def load_row(line: str | bytes) -> dict:
+    """One stored line as the row it was written from (`strict_json`'s inverse; NaN in older, non-strict
+    lines reads too). ValueError if it is not a JSON object or its `non_finite` marks are malformed."""
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    return _restore_non_finite(row)
+
+
+def _restore_non_finite(row: dict) -> dict:
+    """The row `strict_json` wrote, with its NaN and infinities back. ValueError if `non_finite` is not
+    a list of [path, name] naming null values of the row."""
+    marks = row.pop(NON_FINITE, None)
+    if marks is None:
+        return row
+    if not isinstance(marks, list):
+        raise ValueError(f"{NON_FINITE} must be a list")
+    for mark in marks:
+        if not (isinstance(mark, list) and len(mark) == 2 and isinstance(mark[0], list) and mark[0]
+                and mark[1] in _NON_FINITE_NAMES):
+            raise ValueError(f"{NON_FINITE} holds a malformed entry {str(mark)[:80]}")
+        *parents, last = mark[0]
+        where = row
+        try:
+            for key in parents:
+                where = where[key]
+            if where[last] is not None:
+                raise ValueError(f"{NON_FINITE} names a value that is not null: {mark[0]}")
+            where[last] = _NON_FINITE_NAMES[mark[1]]
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"{NON_FINITE} names a path the row lacks: {str(mark[0])[:80]}") from None
+    return row
 
 
 SAME_AS = "same_as"  # a reference row's key: the sibling sweep that holds the whole row
@@ -166,9 +226,7 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
         if not line.strip():
             continue
         try:
-            row = json.loads(line.decode("utf-8"))
-            if not isinstance(row, dict):
-                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+            row = load_row(line.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
             if number - 1 == last:  # no newline after it: the unit in flight when a kill came
                 out.partial_last_line = True
@@ -185,12 +243,10 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
             row = _resolve(path, row, sources)
             if isinstance(row, str):
                 why, row = f"a reference that cannot be resolved: {row}", {}
-        elif resolve and is_pointer(row.get("steps")):
-            loaded = steps.load(row["steps"])
-            if isinstance(loaded, str):
-                why = f"stored steps that cannot be read: {loaded}"
-            else:
-                row = {**row, "steps": loaded}
+        elif resolve:
+            row = resolve_row(steps, row)
+            if isinstance(row, str):
+                why, row = row, {}
         if why is None and check is not None:
             why = check(row)
         if why is not None:
@@ -334,12 +390,9 @@ class ResultsFile:
     def append(self, row: dict) -> None:
         if row["unit"] in self.done:
             return
-        inline = row.get("steps")
-        if self.compact_steps and isinstance(inline, dict) and inline and not is_pointer(inline):
-            pointer = store_steps(self.path.parent, inline)  # written and fsync'ed before the row
-            if pointer is not None:
-                row = {**row, "steps": pointer}
-        self._file.write(json.dumps(row, allow_nan=True) + "\n")
+        if self.compact_steps:
+            row = compact_row(self.path.parent, row)  # steps.bin written and fsync'ed before the row
+        self._file.write(strict_json(row) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done.add(row["unit"])
