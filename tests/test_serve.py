@@ -482,25 +482,26 @@ def test_run_json_reports_the_same_object(capsys):
 
 @pytest.mark.slow
 def test_logprobs_are_the_decode_loops_exact_record(srv):
-    """Per token: the processed target's log-prob, the exact behaviour log-prob (the law the rule drew
-    the token from) and the token's role, as the decode loop recorded them; their sums give the
-    response's importance weight, exp(-log_ratio) of its verification report."""
+    """Per token: the raw model's log-prob (token_logprobs: vLLM's default logprobs_mode), the processed
+    target's, the exact behaviour log-prob (the law the rule drew the token from) and the token's role,
+    as the decode loop recorded them; the processed and behaviour sums give the response's importance
+    weight, exp(-log_ratio) of its verification report."""
     body = {"prompt": PROMPT, "max_tokens": 16, "seed": 9, "logprobs": 3, "verification": {"rule": LOSSY}}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
     local, _ = local_generate(PROMPT, LOSSY, 9, 16)
     steps, lp = local.generation.steps, r["choices"][0]["logprobs"]
     assert r["token_ids"] == local.token_ids
     assert lp["token_roles"] == steps["role"] and "".join(lp["tokens"]) == r["choices"][0]["text"]
-    for key, field in (("token_logprobs", "log_target"), ("behaviour_logprobs", "log_law"),
-                       ("raw_logprobs", "log_target_raw")):  # float32 rounding of batched passes: 1e-4
-        assert lp[key] == pytest.approx(steps[field], rel=1e-4, abs=1e-4), key
-    assert any(abs(a - b) > 1e-3 for a, b in zip(lp["token_logprobs"], lp["behaviour_logprobs"]))
+    for key, field in (("token_logprobs", "log_target_raw"), ("processed_logprobs", "log_target"),
+                       ("behaviour_logprobs", "log_law"), ("raw_logprobs", "log_target_raw")):
+        assert lp[key] == pytest.approx(steps[field], rel=1e-4, abs=1e-4), key  # float32 of batched passes
+    assert any(abs(a - b) > 1e-3 for a, b in zip(lp["processed_logprobs"], lp["behaviour_logprobs"]))
     ver = r["verification"]
     assert lp["sum_behaviour_logprob"] - lp["sum_logprob"] == pytest.approx(ver["log_ratio"], abs=1e-9)
     assert lp["log_importance_weight"] == pytest.approx(-ver["log_ratio"], abs=1e-9)
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-        values = list(top.values())  # the 3 most likely tokens under the processed target, in order
+        values = list(top.values())  # the 3 most likely tokens under the raw model, in order
         assert values == sorted(values, reverse=True) and values[0] >= value - 1e-6
         if token in top:
             assert top[token] == pytest.approx(value, abs=1e-5)
@@ -508,7 +509,7 @@ def test_logprobs_are_the_decode_loops_exact_record(srv):
     parsed = srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=6, seed=2, logprobs=0)
     assert len(parsed.choices[0].logprobs.token_logprobs) == parsed.usage.completion_tokens
     extra = parsed.choices[0].logprobs.model_extra
-    assert extra["behaviour_logprobs"] == parsed.choices[0].logprobs.token_logprobs
+    assert extra["behaviour_logprobs"] == extra["processed_logprobs"]
     assert parsed.choices[0].logprobs.top_logprobs is None
 
 
@@ -525,15 +526,53 @@ def test_chat_stream_with_logprobs_and_include_usage_as_openai(srv):
     usage, last = chunks[-1], chunks[-2]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(last["token_ids"])
     assert all(c["usage"] is None for c in chunks[:-1])
-    content = last["choices"][0]["logprobs"]["content"]
+    # each chunk carries the entries of the tokens its text completes; the last one the rest
+    content = [item for c in chunks[:-1] if c["choices"][0]["logprobs"]
+               for item in c["choices"][0]["logprobs"]["content"]]
+    assert sum(1 for c in chunks[:-1] if c["choices"][0]["logprobs"]) > 1
     assert last["choices"][0]["finish_reason"] in ("stop", "length")
     assert len(content) == len(last["token_ids"])
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
     assert "".join(item["token"] for item in content).startswith(text)
     for item in content:  # lossless: behaviour log-prob = target log-prob; the roles are the loop's
-        assert item["behaviour_logprob"] == item["logprob"] and len(item["top_logprobs"]) == 2
+        assert item["behaviour_logprob"] == item["processed_logprob"] and len(item["top_logprobs"]) == 2
         assert item["token_role"] in ("accepted", "recovered", "bonus") and item["bytes"]
     assert last["system_fingerprint"].startswith("verispec-") and last["seed"] == 4
+
+
+@pytest.mark.slow
+def test_streamed_logprobs_come_per_chunk_and_join_into_the_whole(srv):
+    """Streaming with logprobs: each chunk carries the entries of the tokens its text completes (OpenAI's
+    and vLLM's per-chunk logprobs), with absolute text offsets; joined, they are the non-streamed
+    response's, and only the last chunk has the sums. A server with --logprobs-mode processed_logprobs
+    shows the processed target's log-probs as token_logprobs (the default server's processed_logprobs)."""
+    body = {"prompt": PROMPT, "max_tokens": 24, "seed": 5, "logprobs": 2, "temperature": 0.8, "top_k": 40,
+            "verification": {"rule": LOSSY}}
+    whole = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    streamed = {**body, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=streamed, timeout=60) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    carried = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert len(carried) > 2  # not all in the last chunk
+    for c in chunks[:-1]:  # a chunk's entries are its own text's tokens
+        lp = c["choices"][0]["logprobs"]
+        if lp:
+            assert "".join(lp["tokens"]) == c["choices"][0]["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset", "processed_logprobs",
+                "behaviour_logprobs", "token_roles"):
+        assert [v for lp in carried for v in lp[key]] == whole[key], key
+    assert carried[-1]["log_importance_weight"] == whole["log_importance_weight"]
+    assert all("log_importance_weight" not in lp for lp in carried[:-1])
+    assert whole["token_logprobs"] != whole["processed_logprobs"]  # T 0.8, top-k: raw is not processed
+    processed = Running(ServeConfig(target="default", draft="default-draft",
+                                    logprobs_mode="processed_logprobs"))
+    try:
+        other = httpx.post(processed.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    finally:
+        processed.close()
+    assert other["logprobs"]["tokens"] == whole["tokens"]
+    assert other["logprobs"]["token_logprobs"] == pytest.approx(whole["processed_logprobs"], abs=1e-6)
 
 
 @pytest.mark.slow

@@ -86,15 +86,17 @@ def test_a_blank_api_key_is_refused():
 
 
 def test_logprobs_are_numbers_at_temperature_0(gated):
-    """At temperature 0 the processed law rules every token but one out: their log-probabilities are
-    vLLM's -9999.0, numbers a typed client accepts, never the string "-inf"."""
+    """At temperature 0 the processed law rules every token but one out: their log-probabilities (the
+    processed and behaviour ones verispec adds) are vLLM's -9999.0, numbers a typed client accepts,
+    never the string "-inf"; token_logprobs are the raw model's (vLLM's default logprobs_mode)."""
     body = {"prompt": "KING", "max_tokens": 3, "temperature": 0, "logprobs": 3}
     resp = httpx.post(gated.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=60)
     lp = resp.json()["choices"][0]["logprobs"]
-    values = [v for top in lp["top_logprobs"] for v in top.values()] + lp["token_logprobs"]
+    values = [v for top in lp["top_logprobs"] + lp["top_behaviour_logprobs"] for v in top.values()]
+    values += lp["token_logprobs"] + lp["processed_logprobs"]
     assert all(isinstance(v, float) for v in values), values
-    assert -9999.0 in values and max(lp["token_logprobs"]) == 0.0
+    assert -9999.0 in values and lp["processed_logprobs"] == [0.0] * 3 and max(lp["token_logprobs"]) < 0
     client = openai.OpenAI(base_url=gated.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "KING"}],
                                           max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)

@@ -215,14 +215,20 @@ def test_echo_with_and_without_generation(srv):
     assert b["sum_logprob"] == a["sum_logprob"] and b["log_importance_weight"] == a["log_importance_weight"]
     assert b["text_offset"][n] == len("".join(b["tokens"][:n]))
 
-    # streamed: the prompt's text comes first, the logprobs (prompt entries included) in the last chunk
+    # streamed: the prompt's text comes first; each chunk carries the entries of the tokens it completes
+    # (the prompt's in the first that carries any), and they join into the whole response's
     with srv.http.stream("POST", srv.url + "/v1/completions", json={**request, "echo": True,
                                                                     "stream": True}) as stream:
         chunks = [json.loads(line[6:]) for line in stream.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[0]["choices"][0]["text"] == target.decode(ids)
     assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["logprobs"]["token_logprobs"] == b["token_logprobs"]
+    carried = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset", "token_roles",
+                "behaviour_logprobs"):
+        assert [v for lp in carried for v in lp[key]] == b[key], key
+    assert carried[-1]["sum_logprob"] == b["sum_logprob"]  # the sums, of every token, in the last
+    assert all("sum_logprob" not in lp for lp in carried[:-1])
     only_prompt = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "stream": True}
     with srv.http.stream("POST", srv.url + "/v1/completions", json=only_prompt) as stream:
         chunks = [json.loads(line[6:]) for line in stream.iter_lines()

@@ -324,7 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_greedy_sampling=args.allow_greedy_sampling, max_n=args.max_n,
         max_queue=args.max_queue, max_batch=32 if args.max_batch is None else args.max_batch,
         max_batch_auto=args.max_batch is None, max_tokens_limit=args.max_tokens_limit,
-        metrics_names=args.metrics_names,
+        metrics_names=args.metrics_names, logprobs_mode=args.logprobs_mode,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
@@ -569,6 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-names", choices=["verispec", "vllm"], default="verispec",
                      help="/metrics names: verispec:... (default) or vLLM's vllm:..., so dashboards written "
                           "for vLLM's spec-decode metrics read this server")
+    srv.add_argument("--logprobs-mode", default="raw_logprobs",
+                     choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+                     help="what OpenAI's logprobs fields show, as vLLM's option: the raw model's log-probs "
+                          "(default), the processed target's (the sampling settings applied: the law "
+                          "lossless decoding draws from), or the logits before / after processing; "
+                          "verispec's behaviour_logprobs and processed_logprobs are always there too")
     srv.add_argument("--default-max-tokens", type=int, default=None,
                      help="max_tokens of a request that gives none (default, as vLLM: the context left "
                           "after the prompt, at most --max-tokens-limit)")

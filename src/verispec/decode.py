@@ -47,7 +47,7 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_at_eos: bool = True  # end at the first of the target's stop tokens (`stop_ids`)
     diagnostics: bool = True
-    keep_probs: bool = False  # keep the full V-sized target/draft rows of every emitted position
+    keep_probs: bool = False  # keep the V-sized target/draft rows and raw logits of every emitted position
     # an extra stop condition, checked once per block: given every token the row has emitted so far
     # (this block's included), the number of tokens to keep when the row must stop there (finish
     # "stop"), else None. It must return None on every shorter prefix it was called on before (so a
@@ -342,7 +342,7 @@ class _Recorder:
         self.rule, self.config = rule, config
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = (
-            {"target": [], "draft": []} if config.keep_probs else None)
+            {"target": [], "draft": [], "raw": []} if config.keep_probs else None)  # raw: the logits
         self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor, Tensor | None]] = []
         self._pending = 0
         self.seconds = 0.0  # time spent on diagnostics
@@ -364,6 +364,7 @@ class _Recorder:
         if self.probs is not None:
             self.probs["target"].append(p.clone())
             self.probs["draft"].append(q.clone())
+            self.probs["raw"].append(logits.clone())
 
     def flush(self) -> None:
         if self.steps is None or not self._rows:
@@ -681,6 +682,16 @@ class BatchDecoder:
             self._trees[1].release(row)
         if self.drafter is not None:
             self.drafter.release(row)
+        return self._generation(r, finish)
+
+    def so_far(self, row: int) -> Generation:
+        """What an active row has generated so far (finish "running"; its per-token record flushed), e.g.
+        for streamed log-probabilities; the row goes on decoding."""
+        if row not in self._rows:
+            raise ValueError(f"no active row {row}")
+        return self._generation(self._rows[row], "running")
+
+    def _generation(self, r: _Row, finish: str) -> Generation:
         r.record.flush()
         n0 = r.prompt.shape[0]
         return Generation(

@@ -2,13 +2,19 @@
 (docs/design.md, 'Log-probabilities and importance weights'): `verispec run --json`, `GenerateResult.
 to_json` and `verispec serve`'s `logprobs` (verispec.serving.logprobs formats them as OpenAI's).
 
-For every token `x_t`: `logprob` = log p_t(x_t) under the processed target (the sampling settings
-applied: the law lossless decoding draws from), `behaviour_logprob` = log law_t(x_t), the exact law
-the rule drew it from given the decoder's state (its committed tokens and their roles:
+For every token `x_t`: `processed_logprob` = log p_t(x_t) under the processed target (the sampling
+settings applied: the law lossless decoding draws from), `behaviour_logprob` = log law_t(x_t), the exact
+law the rule drew it from given the decoder's state (its committed tokens and their roles:
 `emitted(p_t, q_t)` at a draft position, the bonus law at a bonus position, p_t in plain decoding),
 `raw_logprob` under the raw model, and the token's `role` (accepted, recovered, bonus, plain). The
-sums give the importance weight of the tokens against the target: exp(sum logprob - sum
+sums give the importance weight of the tokens against the target: exp(sum processed_logprob - sum
 behaviour_logprob) = exp(-log_ratio).
+
+`logprob` (and `top`) is what OpenAI's fields show, chosen by the mode (vLLM's `logprobs_mode`, whose
+default is the raw model's): `raw_logprobs` (log softmax of the model's logits), `processed_logprobs`
+(the processed target), `raw_logits` (the logits themselves) or `processed_logits` (the logits divided
+by the temperature, -inf outside the processed law's support; at temperature 0 the logits, -inf but at
+the argmax).
 
 `prompt_logprobs` scores a prompt's own tokens (OpenAI's `echo` with `logprobs`, what lm-eval's
 `loglikelihood` reads): one target pass over the prompt, the raw model's log-probabilities (a prompt
@@ -27,33 +33,59 @@ from verispec.probability import renormalised_f64
 DRAFTED = ("accepted", "recovered")  # the roles of a token emitted at a draft position
 
 
-def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None) -> list[dict]:
-    """One entry per returned token (the first `returned` of `gen.token_ids`): token_id, token (its
-    text, with `decode`), logprob, behaviour_logprob, raw_logprob, role, and with `top` > 0
-    `top` = [(token_id, logprob), ...], the most likely tokens under the processed target, and
-    `top_behaviour` = the same under the token's behaviour law (`behaviour_rows`) (both need
-    `gen.probs`: decode with keep_probs). ValueError without the per-token record (diagnostics off)."""
+MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
+def _mode_rows(gen: Generation, returned: int, mode: str, temperature: float) -> torch.Tensor:
+    """[returned, V] float64: the values `mode` shows for every token of each returned position."""
+    if mode == "processed_logprobs":
+        rows = torch.cat(gen.probs["target"])[:returned].double()  # [returned, V]
+        return (rows / rows.sum(-1, keepdim=True)).log()  # float32 rows sum to 1 within ~1e-6
+    logits = torch.cat(gen.probs["raw"])[:returned].double()  # [returned, V]
+    if mode == "raw_logprobs":
+        return logits.log_softmax(-1)
+    if mode == "raw_logits":
+        return logits
+    support = torch.cat(gen.probs["target"])[:returned] > 0  # [returned, V]
+    scaled = logits / temperature if temperature > 0 else logits
+    return scaled.masked_fill(~support, -math.inf)
+
+
+def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None,
+                   mode: str = "processed_logprobs", temperature: float = 1.0, start: int = 0) -> list[dict]:
+    """One entry per returned token (tokens `start` to `returned` of `gen.token_ids`): token_id, token
+    (its text, with `decode`), logprob (the value `mode` shows, see MODES), processed_logprob,
+    behaviour_logprob, raw_logprob, role, and with `top` > 0 `top` = [(token_id, value), ...], the
+    tokens with the largest values under the mode, and `top_behaviour` = the most likely tokens under
+    the token's behaviour law (`behaviour_rows`). A mode other than processed_logprobs, and `top`, need
+    `gen.probs` (decode with keep_probs); `temperature` is the request's (processed_logits). ValueError
+    without the per-token record (diagnostics off) or for an unknown mode."""
+    if mode not in MODES:
+        raise ValueError(f"logprobs mode must be one of {', '.join(MODES)}, got {mode!r}")
     steps = gen.steps
     if steps is None:
         raise ValueError("no per-token record: decoded with diagnostics off")
-    rows = torch.cat(gen.probs["target"])[:returned].double() if top else None  # [returned, V]
-    if rows is not None:
-        rows = rows / rows.sum(-1, keepdim=True)  # [returned, V]; float32 rows sum to 1 within ~1e-6
-        values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [returned, top] each
-        law_values, law_ids = behaviour_rows(gen, returned).topk(min(top, rows.shape[-1]), dim=-1)
+    needs_rows = top or mode in ("raw_logits", "processed_logits")
+    rows = _mode_rows(gen, returned, mode, temperature)[start:] if needs_rows else None  # [n, V]
+    if top:
+        values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [n, top] each
+        law_values, law_ids = behaviour_rows(gen, returned)[start:].topk(min(top, rows.shape[-1]), dim=-1)
+    shown = {"processed_logprobs": "log_target", "raw_logprobs": "log_target_raw"}.get(mode)
     out = []
-    for i in range(returned):
+    for i in range(start, returned):
         token = gen.token_ids[i]
-        entry = {"token_id": token, "logprob": float(steps["log_target"][i]),
+        entry = {"token_id": token,
+                 "logprob": float(steps[shown][i]) if shown else float(rows[i - start, token]),
+                 "processed_logprob": float(steps["log_target"][i]),
                  "behaviour_logprob": float(steps["log_law"][i]),
                  "raw_logprob": float(steps["log_target_raw"][i]), "role": steps["role"][i]}
         if decode is not None:
             entry["token"] = decode([token])
-        if rows is not None:
-            entry["top"] = [(int(t), math.log(v) if v > 0 else -math.inf)
-                            for v, t in zip(values[i].tolist(), ids[i].tolist())]
+        if top:
+            j = i - start
+            entry["top"] = [(int(t), v) for v, t in zip(values[j].tolist(), ids[j].tolist())]
             entry["top_behaviour"] = [(int(t), math.log(v) if v > 0 else -math.inf)
-                                      for v, t in zip(law_values[i].tolist(), law_ids[i].tolist())]
+                                      for v, t in zip(law_values[j].tolist(), law_ids[j].tolist())]
         out.append(entry)
     return out
 
@@ -87,25 +119,30 @@ def behaviour_rows(gen: Generation, returned: int) -> torch.Tensor:
     return law
 
 
-def prompt_logprobs(model, prompt_ids: list[int], top: int = 0, decode=None) -> list[dict]:
+def prompt_logprobs(model, prompt_ids: list[int], top: int = 0, decode=None,
+                    mode: str = "raw_logprobs") -> list[dict]:
     """One entry per prompt token, in `token_logprobs`'s shape, from one pass of `model` over the
-    prompt: `logprob` = `raw_logprob` = log softmax of the raw model's logits at the previous position
-    (None for the first token: nothing predicts it, OpenAI's null), `behaviour_logprob` None (the token
-    was not sampled), `role` "prompt", and with `top` > 0 `top` = the `top` most likely tokens under
-    the same law (None for the first token). The token's log-probability and the top values are read
-    from the same float64 row, so a token that is the argmax equals the top value exactly (lm-eval's
-    `is_greedy` compares them with ==)."""
+    prompt: `raw_logprob` = log softmax of the raw model's logits at the previous position (None for
+    the first token: nothing predicts it, OpenAI's null); `logprob` the same, or the logit itself in
+    the logits modes (a prompt token was not sampled, so no sampling setting applies to it: processed =
+    raw); `processed_logprob` and `behaviour_logprob` None; `role` "prompt"; with `top` > 0 `top` = the
+    `top` largest values of the same row (None for the first token). The token's value and the top
+    values are read from the same float64 row, so a token that is the argmax equals the top value
+    exactly (lm-eval's `is_greedy` compares them with ==)."""
+    if mode not in MODES:
+        raise ValueError(f"logprobs mode must be one of {', '.join(MODES)}, got {mode!r}")
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, L]
     with torch.no_grad():
         logits = model.session().logits_for(ids, ids.shape[1])[0]  # [L, V]: row i predicts token i + 1
-    rows = torch.log_softmax(logits[:-1].double(), dim=-1)  # [L - 1, V]: row i - 1 scores token i
+    raw = torch.log_softmax(logits[:-1].double(), dim=-1)  # [L - 1, V]: row i - 1 scores token i
+    rows = logits[:-1].double() if mode.endswith("logits") else raw  # [L - 1, V]
     if top:
         values, tops = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [L - 1, top] each
     out = []
     for i, token in enumerate(prompt_ids):
-        logprob = None if i == 0 else float(rows[i - 1, token])
-        entry = {"token_id": token, "logprob": logprob, "behaviour_logprob": None, "raw_logprob": logprob,
-                 "role": "prompt"}
+        entry = {"token_id": token, "logprob": None if i == 0 else float(rows[i - 1, token]),
+                 "processed_logprob": None, "behaviour_logprob": None,
+                 "raw_logprob": None if i == 0 else float(raw[i - 1, token]), "role": "prompt"}
         if decode is not None:
             entry["token"] = decode([token])
         if top:
@@ -119,7 +156,7 @@ def totals(entries: list[dict]) -> dict:
     importance weight of the response against the target (their difference). Prompt entries (echo)
     are left out: they were not sampled."""
     entries = [e for e in entries if e["role"] != "prompt"]
-    target = math.fsum(e["logprob"] for e in entries)
+    target = math.fsum(e["processed_logprob"] for e in entries)
     behaviour = math.fsum(e["behaviour_logprob"] for e in entries)
     return {"sum_logprob": target, "sum_behaviour_logprob": behaviour,
             "log_importance_weight": target - behaviour if math.isfinite(target - behaviour) else None}

@@ -6,11 +6,11 @@ and reuse').
 record: a JSON header naming each column and its type, then the columns (float32 numbers and int32 ids
 with their bytes regrouped by significance, which compresses them better; uint8 codes of a string
 column's values; a column equal to an earlier one is stored as a reference to it). Records are raw
-LZMA2 (`lzma`) after a 3-byte mark; zlib records, as the first writer made them, still read. A record is written and fsync'ed before
-the row that points at it; the row then holds `{"stored": "steps.bin", "offset": O, "length": L,
-"crc32": C}` in place of the array(s). A kill between the two leaves bytes no row points at, which nothing
-reads. `store.scan_rows` resolves the pointers (checking the checksum); a pointer that cannot be read
-makes its row invalid, named with its line.
+LZMA2 (`lzma`) after a 3-byte mark; zlib records, as the first writer made them, still read. A record
+is written and fsync'ed before the row that points at it; the row then holds `{"stored": "steps.bin",
+"offset": O, "length": L, "crc32": C}` in place of the array(s). A kill between the two leaves bytes
+no row points at, which nothing reads. `store.scan_rows` resolves the pointers (checking the checksum);
+a pointer that cannot be read makes its row invalid, named with its line.
 
 Numbers are kept as float32 (7 significant digits; the reports print 3-4): the figures a report prints
 from stored steps are checked equal to those from the full-precision rows when a sweep is converted

@@ -46,7 +46,7 @@ from verispec.tree_decode import (TreeVerification, refuse_tree_rule, shape_dept
                                   tree_verification_rule)
 from verispec.trees import DraftShape
 from verispec.serving.engine import Engine, Job, Params, QueueFull
-from verispec.logprobs import token_logprobs
+from verispec.logprobs import token_logprobs, totals
 from verispec.serving.logprobs import MAX_TOP_LOGPROBS, chat_logprobs, completion_logprobs, numbers_only
 from verispec.serving.metrics import Metrics
 from verispec.serving.schema import SCHEMAS
@@ -853,16 +853,29 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
 
         prompt_text = server.target.decode(params.prompt_ids) if params.echo else ""
 
+        mode, temperature = server.config.logprobs_mode, params.sampling.temperature
+        offsets = [0] * params.n  # streaming: the text_offset of choice i's next entry
+
+        def shaped(i: int, entries: list[dict], sums: dict | None) -> dict:
+            decode = server.target.decode
+            out = (chat_logprobs(entries, decode, sums=False) if chat else
+                   completion_logprobs(entries, decode, offsets[i], sums=False))
+            offsets[i] += sum(len(e["token"]) for e in entries)
+            return json_safe(numbers_only({**out, **(sums or {})}))
+
         def logprobs(i: int, gen: Generation, returned: int) -> dict | None:
-            """Choice i's: with echo, the prompt's entries first (scored by the engine), then the
-            generated tokens'."""
+            """Choice i's (the rest of them, streaming): with echo, the prompt's entries first (scored by
+            the engine), then the generated tokens'; the sums are of all its tokens."""
             if params.logprobs is None:
                 return None
-            decode = server.target.decode
-            entries = token_logprobs(gen, returned, params.logprobs, decode) if returned else []
-            entries = (jobs[i].prompt_entries or []) + entries
-            shaped = chat_logprobs(entries, decode) if chat else completion_logprobs(entries, decode)
-            return json_safe(numbers_only(shaped))
+            job, decode = jobs[i], server.target.decode
+            start = min(job.tokens_streamed, returned)
+            entries = ([] if job.prompt_streamed else list(job.prompt_entries or [])) + (
+                token_logprobs(gen, returned, params.logprobs, decode, mode, temperature, start=start)
+                if returned > start else [])
+            every = entries if start == 0 else token_logprobs(gen, returned, mode=mode,
+                                                              temperature=temperature)
+            return shaped(i, entries, totals(every))
 
         def chunk(choices: list, **extra) -> str:
             body = {"id": rid, "object": chunk_obj, "created": created, "model": params.model,
@@ -885,14 +898,15 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
                     while finished < params.n:
                         i, event = await events.get()
                         if event[0] == "delta":
-                            yield chunk([{"index": i, "delta": {"content": event[1]}, "logprobs": None,
+                            lp = None if event[2] is None else shaped(i, event[2], None)  # its tokens'
+                            yield chunk([{"index": i, "delta": {"content": event[1]}, "logprobs": lp,
                                           "finish_reason": None} if chat else
-                                         {"index": i, "text": event[1], "logprobs": None,
+                                         {"index": i, "text": event[1], "logprobs": lp,
                                           "finish_reason": None}])
                         elif event[0] == "done":
                             _, gen, _text, finish, report, returned = event
                             returned_tokens[i], finished = returned, finished + 1
-                            lp = logprobs(i, gen, returned)  # all its tokens, in its last chunk
+                            lp = logprobs(i, gen, returned)  # the tokens no chunk carried, and the sums
                             fields = choice_fields(i, gen, report, returned)
                             last = ({"index": i, "delta": {}, "logprobs": lp, "finish_reason": finish} if chat
                                     else {"index": i, "text": "", "logprobs": lp, "finish_reason": finish})

@@ -65,6 +65,9 @@ class ServeConfig:
     api_key: str | None = None  # requests must send "Authorization: Bearer KEY" (all but /health); None: open
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API ("*": any)
     metrics_names: str = "verispec"  # /metrics namespace: "verispec", or "vllm" for vLLM's metric names
+    # what OpenAI's logprobs fields show (vLLM's logprobs_mode, `verispec.logprobs.MODES`): the raw model's
+    # log-probabilities by default; behaviour_logprobs and the sums stay in verispec's own fields
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
@@ -91,6 +94,10 @@ class ServeConfig:
         t = self.body_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"--body-timeout must be a number of seconds > 0, got {t!r}")
+        from verispec.logprobs import MODES
+
+        if self.logprobs_mode not in MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(MODES)}, got {self.logprobs_mode!r}")
         if self.metrics_names not in ("verispec", "vllm"):
             raise ValueError(f"--metrics-names must be verispec or vllm, got {self.metrics_names!r}")
         if self.allow_rules is not None and not self.allow_rules:

@@ -34,7 +34,7 @@ import torch
 
 from verispec import api
 from verispec.decode import BatchDecoder, DecodeConfig, Generation, decode_prompts
-from verispec.logprobs import prompt_logprobs
+from verispec.logprobs import prompt_logprobs, token_logprobs
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
 from verispec.serving.config import APIError, ServeConfig, shutting_down
@@ -87,6 +87,8 @@ class Job:
     row: int | None = None
     index: int = 0  # the choice this job decodes (a request with n choices has n jobs on one queue)
     prompt_entries: list[dict] | None = None  # echo with logprobs: the prompt's (prompt_logprobs)
+    tokens_streamed: int = 0  # streaming with logprobs: the tokens whose entries went out in a chunk
+    prompt_streamed: bool = False  # ... and whether the prompt's entries did (the first such chunk)
 
 
 class Engine:
@@ -264,7 +266,7 @@ class Engine:
             try:  # a failure here fails this request alone (500), never the engine
                 if p.logprobs is not None:  # one target pass over the prompt, on this thread
                     job.prompt_entries = prompt_logprobs(self.target, p.prompt_ids, p.logprobs,
-                                                         self.target.decode)
+                                                         self.target.decode, self.config.logprobs_mode)
                 event = self._deliver(job, self._nothing(job), "length") if p.max_tokens == 0 else None
             except Exception as err:  # noqa: BLE001
                 log.error("request %s failed: %r", job.id, err)
@@ -285,7 +287,8 @@ class Engine:
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
-                                  keep_probs=bool(p.logprobs),  # the target's rows, for top_logprobs
+                                  keep_probs=p.logprobs is not None and (  # rows: top and the logits
+                                      p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
                                   tree=p.tree)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
@@ -338,7 +341,7 @@ class Engine:
                 if find_stop(text, job.params.stop) is not None:
                     self._end(key, row, dec.cancel(row), "stop")
                 elif job.params.stream:
-                    self._stream(job, text, final=False)
+                    self._stream(job, text, final=False, dec=dec, row=row)
 
     def _drop(self, key: tuple, row: int, err: APIError) -> None:
         """A row's request ends with `err` (its row, if still in a decoder, is the caller's to cancel)."""
@@ -351,14 +354,35 @@ class Engine:
         log.error("request %s failed: %r", self._jobs[(key, row)].id, err)
         self._drop(key, row, APIError(500, f"the response could not be built: {err}", kind="server_error"))
 
-    def _stream(self, job: Job, text: str, final: bool) -> None:
+    def _stream(self, job: Job, text: str, final: bool, dec: BatchDecoder | None = None,
+                row: int | None = None) -> None:
+        """Stream the text not yet sent (with `dec`, `row` and logprobs: the entries of the tokens it
+        completes, OpenAI's per-chunk logprobs; the last chunk carries the rest)."""
         if not final:
             hold = max((len(s) for s in job.params.stop), default=1) - 1  # a stop string may still complete
             text = text[: len(text) - hold] if hold else text
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
         if text.startswith(job.sent) and len(text) > len(job.sent):
-            self._emit(job, ("delta", text[len(job.sent):]))
+            entries = self._streamed_entries(job, dec, row, text) if dec is not None else None
+            self._emit(job, ("delta", text[len(job.sent):], entries))
             job.sent = text
+
+    def _streamed_entries(self, job: Job, dec: BatchDecoder, row: int, text: str) -> list[dict] | None:
+        """The log-prob entries of a streamed chunk: the tokens whose text `text` now holds whole (with
+        echo, the prompt's entries first, in the first chunk)."""
+        p = job.params
+        if p.logprobs is None:
+            return None
+        ids, n, decode = dec.tokens(row), job.tokens_streamed, self.target.decode
+        while n < len(ids) and text.startswith(decode(ids[: n + 1])):
+            n += 1
+        entries = [] if job.prompt_streamed else list(job.prompt_entries or [])
+        job.prompt_streamed = True
+        if n > job.tokens_streamed:
+            entries += token_logprobs(dec.so_far(row), n, p.logprobs, decode, self.config.logprobs_mode,
+                                      p.sampling.temperature, start=job.tokens_streamed)
+            job.tokens_streamed = n
+        return entries
 
     def _end(self, key: tuple, row: int, gen: Generation, how: str) -> None:
         """A row left its decoder: deliver its response (or drop it if the client left)."""

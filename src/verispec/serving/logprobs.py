@@ -22,13 +22,15 @@ def numbers_only(obj):
     return obj
 
 
-def completion_logprobs(entries: list[dict], decode) -> dict:
+def completion_logprobs(entries: list[dict], decode, offset: int = 0, sums: bool = True) -> dict:
     """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) plus verispec's
-    behaviour_logprobs, top_behaviour_logprobs (the most likely tokens under each token's behaviour
-    law, `verispec.logprobs.behaviour_rows`), raw_logprobs, token_roles and the sequence totals. With
-    `echo` the prompt's entries (`verispec.logprobs.prompt_logprobs`, role "prompt", behaviour_logprob
-    null) come first; the first token's token_logprobs and top_logprobs are null (OpenAI's)."""
-    offsets, at = [], 0
+    processed_logprobs, behaviour_logprobs, top_behaviour_logprobs (the most likely tokens under each
+    token's behaviour law, `verispec.logprobs.behaviour_rows`), raw_logprobs, token_roles and (`sums`)
+    the sequence totals. With `echo` the prompt's entries (`verispec.logprobs.prompt_logprobs`, role
+    "prompt", behaviour_logprob null) come first; the first token's token_logprobs and top_logprobs are
+    null (OpenAI's). `offset`: the text_offset of the first entry (a streamed chunk's place in the
+    text)."""
+    offsets, at = [], offset
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
@@ -38,20 +40,23 @@ def completion_logprobs(entries: list[dict], decode) -> dict:
                       {decode([t]): lp for t, lp in e["top_behaviour"]} for e in entries] if tops else None
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": tops, "text_offset": offsets, "top_behaviour_logprobs": behaviour_tops,
+            "processed_logprobs": [e["processed_logprob"] for e in entries],
             "behaviour_logprobs": [e["behaviour_logprob"] for e in entries],
             "raw_logprobs": [e["raw_logprob"] for e in entries], "token_roles": [e["role"] for e in entries],
-            **totals(entries)}
+            **(totals(entries) if sums else {})}
 
 
-def chat_logprobs(entries: list[dict], decode) -> dict:
+def chat_logprobs(entries: list[dict], decode, sums: bool = True) -> dict:
     """The chat shape (content: one object per token, with its top_logprobs) plus verispec's fields
-    (top_behaviour_logprobs: the top tokens under the token's behaviour law)."""
+    (processed_logprob, behaviour_logprob, raw_logprob, token_role; top_behaviour_logprobs: the top
+    tokens under the token's behaviour law) and (`sums`) the sequence totals."""
     def item(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
 
-    content = [{**item(e["token"], e["logprob"]), "behaviour_logprob": e["behaviour_logprob"],
-                "raw_logprob": e["raw_logprob"], "token_role": e["role"],
+    content = [{**item(e["token"], e["logprob"]), "processed_logprob": e["processed_logprob"],
+                "behaviour_logprob": e["behaviour_logprob"], "raw_logprob": e["raw_logprob"],
+                "token_role": e["role"],
                 "top_logprobs": [item(decode([t]), lp) for t, lp in e.get("top", [])],
                 "top_behaviour_logprobs": [item(decode([t]), lp) for t, lp in e.get("top_behaviour", [])]}
                for e in entries]
-    return {"content": content, **totals(entries)}
+    return {"content": content, **(totals(entries) if sums else {})}

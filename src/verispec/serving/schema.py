@@ -97,6 +97,11 @@ VERIFICATION_REPORT = {
 }
 
 COMPLETION_LOGPROBS_EXTRA = {
+    "processed_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
+                           "description": "per token: log p_t(x_t) under the processed target (the request's "
+                                          "sampling settings applied: the law lossless decoding draws "
+                                          "from), whatever --logprobs-mode shows in token_logprobs; null "
+                                          "for an echoed prompt token"},
     "behaviour_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
                            "description": "per token: log law_t(x_t), the law the rule drew it from; null "
                                           "for an echoed prompt token (not sampled: no behaviour law)"},
@@ -104,16 +109,16 @@ COMPLETION_LOGPROBS_EXTRA = {
                                "description": "per token (with logprobs >= 1): the most likely tokens "
                                               "under its behaviour law (emitted(p, q) at a draft position, "
                                               "the bonus law at a bonus position: docs/design.md, 'Rule "
-                                              "anatomy'), as top_logprobs is under the target; null for an "
-                                              "echoed prompt token"},
+                                              "anatomy'); null for an echoed prompt token"},
     "raw_logprobs": {"type": "array", "items": NUMBER_OR_NULL,
                      "description": "the raw model's (null for the first token of an echoed prompt)"},
     "token_roles": {"type": "array", "items": {"type": "string"},
                     "description": "accepted, recovered, bonus or plain; prompt for an echoed prompt's "
-                                   "tokens (echo: they come first, their token_logprobs are the raw "
-                                   "model's, the first one null as OpenAI's)"},
-    "sum_logprob": {"type": "number", "description": "sum of the target log-probs (token_logprobs) of the "
-                                                     "generated tokens (an echoed prompt's are left out)"},
+                                   "tokens (echo: they come first, the first one's token_logprobs "
+                                   "null as OpenAI's)"},
+    "sum_logprob": {"type": "number", "description": "sum of processed_logprobs over the generated tokens "
+                                                     "(an echoed prompt's are left out); streaming: in the "
+                                                     "last chunk, over every token"},
     "sum_behaviour_logprob": {"type": "number", "description": "the same sum of behaviour_logprobs"},
     "log_importance_weight": {"type": ["number", "null"],
                               "description": "sum_logprob - sum_behaviour_logprob (docs/design.md, "
@@ -123,7 +128,9 @@ COMPLETION_LOGPROBS_EXTRA = {
 SCHEMAS = {
     "VerificationReport": VERIFICATION_REPORT,
     "VerispecLogprobs": {"type": "object", "title": "VerispecLogprobs",
-                         "description": "OpenAI's logprobs fields plus these (completions; chat puts "
+                         "description": "OpenAI's logprobs fields (token_logprobs and top_logprobs: the "
+                                        "raw model's log-probs by default, as vLLM's; --logprobs-mode) "
+                                        "plus these (completions; chat puts processed_logprob, "
                                         "behaviour_logprob, raw_logprob and token_role on each content item)",
                          "properties": COMPLETION_LOGPROBS_EXTRA},
     "VerispecResponseFields": {
