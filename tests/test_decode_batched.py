@@ -140,6 +140,34 @@ def test_sampling_settings_batched_equals_batch1():
             assert all(torch.equal(x, y) for x, y in zip(out.probs[key], single.probs[key]))
 
 
+MIXED = [SamplingConfig(), SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.6, top_k=3),
+         SamplingConfig(temperature=1.3, top_p=0.7), SamplingConfig(temperature=0.8, min_p=0.2)]
+
+
+@pytest.mark.parametrize("spec", ["lossless", "lenience:l=0.5", None])
+def test_rows_with_different_sampling_settings_batched_equal_each_alone(spec):
+    """One decoder, rows with their own temperature / top-k / top-p / min-p (the server batches mixed
+    requests so): every row gives exactly what it gives alone with its own settings, processed laws
+    included (`sampling.process_rows`)."""
+    target, draft = toy_pair()
+    ps = prompts(len(MIXED), seed=9)
+    dec = (BatchDecoder(target) if spec is None else
+           BatchDecoder(target, ModelDrafter(draft), spec, DecodeConfig(k=3)))
+    rows = {dec.add(prompt, seeded(40 + i), DecodeConfig(k=3, max_new_tokens=11, sampling=sampling,
+                                                         keep_probs=True)): i
+            for i, (prompt, sampling) in enumerate(zip(ps, MIXED))}
+    done = {}
+    while dec.active:
+        done.update({rows[row]: gen for row, gen in dec.step()})
+    for i, sampling in enumerate(MIXED):
+        config = DecodeConfig(k=3, max_new_tokens=11, sampling=sampling, keep_probs=True)
+        single = (autoregressive_decode(target, ps[i], config, seeded(40 + i)) if spec is None else
+                  speculative_decode(target, ModelDrafter(draft), ps[i], spec, config, seeded(40 + i)))
+        assert_same(done[i], single)
+        for key in ("target", "draft", "raw"):
+            assert all(torch.equal(x, y) for x, y in zip(done[i].probs[key], single.probs[key])), (i, key)
+
+
 def test_continuous_batching_rows_join_and_leave():
     """Rows added between blocks, with their own max_new_tokens, and a cancelled row: every finished row
     equals its batch-1 run; a cancelled row's partial output is a prefix of its batch-1 run."""

@@ -33,7 +33,7 @@ from verispec.models.base import LanguageModel, batch_session
 from verispec.rules import Rule, parse
 from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.probability import sample_from
-from verispec.sampling import SamplingConfig, process
+from verispec.sampling import SamplingConfig, process, process_rows
 from verispec.speculation import AdaptivePolicy, RowAcceptance
 from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, refuse_tree_rule, shape_depth,
                                   tree_verification, verify_block)
@@ -455,8 +455,9 @@ class BatchDecoder:
     row and verifies it with a tree rule or Traversal Verification (`verispec.tree_decode`, docs/design.md
     'Tree decoding'); one target pass scores every row's tree on the lean backend.
 
-    One rule and one sampling setting per decoder (they are applied to all rows in batched ops);
-    per row: k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
+    One rule per decoder (applied to all rows in batched ops); per row: the sampling settings (chain
+    and plain decoding: each row's logits processed with its own, `sampling.process_rows`; tree mode
+    keeps one), k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
     (`add(config=...)`).
 
     A row's `seconds` is the wall time from its `add` to its finish; `target_calls` / `draft_calls`
@@ -503,10 +504,10 @@ class BatchDecoder:
     def add(self, prompt_ids, generator: torch.Generator | None = None,
             config: DecodeConfig | None = None) -> int:
         """A new row (joins at the next `step`); returns its id. `config` overrides the decoder's
-        per-row settings; its sampling must be the decoder's."""
+        per-row settings (in tree mode its sampling must be the decoder's)."""
         config = config or self.config
-        if config.sampling != self.config.sampling:
-            raise ValueError("every row of a BatchDecoder uses the decoder's sampling settings "
+        if config.sampling != self.config.sampling and self._trees is not None:
+            raise ValueError("every row of a tree-mode BatchDecoder uses the decoder's sampling settings "
                              f"({self.config.sampling}), got {config.sampling}")
         if config.policy != self.config.policy:
             raise ValueError("every row of a BatchDecoder uses the decoder's speculation policy")
@@ -552,8 +553,9 @@ class BatchDecoder:
 
     # -- one block -------------------------------------------------------------------------------
     def _speculative_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
-        sampling, rule, policy = self.config.sampling, self.rule, self.config.policy
+        rule, policy = self.rule, self.config.policy
         assert rule is not None
+        sampling = [r.config.sampling for r in rows]  # each row's own settings
         if policy is None:
             wanted = [r.config.k for r in rows]
         else:  # each row's k from its own acceptance; then whether the batch's block pays at all
@@ -577,9 +579,10 @@ class BatchDecoder:
         logits = self._session.logits_for(ids, [torch.cat([r.seq, d]) for r, (d, _) in zip(rows, proposals)],
                                           [kk + 1 for kk in kks])  # per row [kk+1, V], one target pass
         t2 = time.perf_counter()
-        p_flat = process(torch.cat(logits), sampling)  # [sum(kk+1), V]
-        k_max = max(kks)
         lengths = [kk + 1 for kk in kks]
+        p_flat = process_rows(torch.cat(logits), [s for s, n in zip(sampling, lengths) for _ in range(n)])
+        # [sum(kk+1), V]
+        k_max = max(kks)
         p = _pad_rows(p_flat, lengths, k_max + 1)  # [B, K+1, V]
         q = _pad_rows(torch.cat([qi for _, qi in proposals]).to(p_flat.dtype), kks, k_max)  # [B, K, V]
         drafts = _pad_rows(torch.cat([d for d, _ in proposals]).long(), kks, k_max, -1)  # [B, K]
@@ -658,7 +661,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         logits = torch.cat(self._session.logits_for(ids, [r.seq for r in rows], [1] * len(rows)))  # [B, V]
         seconds = time.perf_counter() - t0
-        p = process(logits, self.config.sampling)  # [B, V]
+        p = process_rows(logits, [r.config.sampling for r in rows])  # [B, V]: each row's own settings
         uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])  # [B]
         tokens = sample_from(p, uniforms)  # [B]
         empty_q = p.new_zeros(0, p.shape[1])

@@ -11,6 +11,7 @@ temperature small enough that the scaled logits overflow (see `process`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +98,23 @@ def process(logits: Tensor, config: SamplingConfig, dtype: torch.dtype = torch.f
     if bool(overflow.any()):
         probs = torch.where(overflow[..., None], one_hot_argmax(logits), probs)
     return truncate(probs, config) if config.truncates else probs
+
+
+def process_rows(logits: Tensor, configs: Sequence[SamplingConfig],
+                 dtype: torch.dtype = torch.float32) -> Tensor:
+    """Logits [N, V] whose row i has its own sampling settings configs[i] -> the processed laws [N, V]:
+    `process` on each group of rows that share a setting. Its maths is row by row, so a row's law is
+    the one it gets processed alone (a batch of mixed requests decodes as each would alone)."""
+    if len(configs) != logits.shape[0]:
+        raise ValueError(f"one sampling setting per row: {len(configs)} for {logits.shape[0]} rows")
+    first = configs[0] if configs else SamplingConfig()
+    if all(c == first for c in configs):
+        return process(logits, first, dtype)
+    out = torch.empty(logits.shape, dtype=dtype)  # [N, V]
+    groups: dict[SamplingConfig, list[int]] = {}
+    for i, config in enumerate(configs):
+        groups.setdefault(config, []).append(i)
+    for config, rows in groups.items():
+        index = torch.tensor(rows)
+        out[index] = process(logits[index], config, dtype)  # [n_group, V]
+    return out

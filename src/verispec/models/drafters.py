@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from verispec.models.base import BatchSession, LanguageModel, batch_session
 from verispec.probability import sample_from
-from verispec.sampling import SamplingConfig, process
+from verispec.sampling import SamplingConfig, process_rows
 
 
 class ModelDrafter:
@@ -27,11 +29,14 @@ class ModelDrafter:
     def release(self, row: int) -> None:
         self._batch.release(row)
 
-    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int], sampling: SamplingConfig,
+    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int],
+                      sampling: SamplingConfig | Sequence[SamplingConfig],
                       generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
         """Per row: context [L_i] -> (draft tokens [k_i], draft distributions [k_i, V]); one batched
         draft pass per draft position over the rows still drafting. Row i draws k_i uniforms from
-        generators[i], one per draft position, so its drafts do not depend on the other rows."""
+        generators[i], one per draft position, so its drafts do not depend on the other rows; its draft
+        law is processed with its own sampling settings (one setting for all rows, or one per row)."""
+        settings = [sampling] * len(rows) if isinstance(sampling, SamplingConfig) else list(sampling)
         seqs = list(contexts)
         tokens: list[list[Tensor]] = [[] for _ in rows]
         probs: list[list[Tensor]] = [[] for _ in rows]
@@ -39,7 +44,7 @@ class ModelDrafter:
             active = [i for i, k in enumerate(ks) if k > step]
             logits = self._batch.logits_for([rows[i] for i in active], [seqs[i] for i in active],
                                             [1] * len(active))
-            q = process(torch.cat(logits), sampling)  # [A, V]
+            q = process_rows(torch.cat(logits), [settings[i] for i in active])  # [A, V]
             uniforms = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64)
                                   for i in active])  # [A]
             drawn = sample_from(q, uniforms)  # [A]
@@ -86,7 +91,8 @@ class NGramDrafter:
     def release(self, row: int) -> None:
         pass
 
-    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int], sampling: SamplingConfig,
+    def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int],
+                      sampling: SamplingConfig | Sequence[SamplingConfig],
                       generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:
         """Per row: (draft tokens [k_i'], one-hot draft distributions [k_i', V]), k_i' <= k_i (model-free)."""
         return [self.lookup(context, k) if k > 0 else (context[:0], torch.zeros(0, self.vocab_size))

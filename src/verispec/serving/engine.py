@@ -1,8 +1,9 @@
 """The continuous-batching engine of `verispec serve` (docs/serving.md, 'Serving').
 
-One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule, one draft shape
-(chain, or a tree: `DecodeConfig.tree`) and one sampling setting, so requests are grouped by (rule,
-draft shape, sampling settings): one decoder per group, k per row; the
+One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule and one draft
+shape (chain, or a tree: `DecodeConfig.tree`); a chain decoder's rows each keep their own sampling
+settings (temperature, top-k, top-p, min-p), a tree decoder's share one. So requests are grouped by
+(rule, draft shape, and for trees the sampling settings): one decoder per group, k per row; the
 engine steps the non-empty groups in turn (one block each), so requests join and leave between blocks.
 Each request draws from its own `torch.Generator` seeded by its `seed`, so its output is what it would
 be alone (the batch-independence contract of `BatchDecoder`, up to float rounding of batched forward
@@ -93,7 +94,7 @@ class Job:
 
 class Engine:
     """One thread that owns the models: admits queued requests between blocks, steps every non-empty
-    (rule, draft shape, sampling) group's `BatchDecoder` in turn, streams new text, delivers finished
+    (rule, draft shape[, sampling]) group's `BatchDecoder` in turn, streams new text, delivers finished
     generations."""
 
     def __init__(self, target, drafter, config: ServeConfig, metrics: Metrics):
@@ -261,7 +262,9 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         p = job.params
-        key = (p.rule.spec if p.rule is not None else "plain", p.tree, p.sampling)
+        # rows of any sampling settings share a chain decoder (each row is processed with its own); a tree
+        # decoder keeps one setting
+        key = (p.rule.spec if p.rule is not None else "plain", p.tree, p.sampling if p.tree else None)
         if p.echo and (p.logprobs is not None or p.max_tokens == 0):
             try:  # a failure here fails this request alone (500), never the engine
                 if p.logprobs is not None:  # one target pass over the prompt, on this thread
