@@ -193,7 +193,7 @@ def test_tree_rows_carry_their_exact_per_token_record(srv):
     assert lp["log_importance_weight"] == pytest.approx(-r["verification"]["log_ratio"], abs=1e-9)
     lossless = {**body, "logprobs": 2, "verification": {"tree": "tree:widths=2,2"}}
     lp = httpx.post(srv.url + "/v1/completions", json=lossless, timeout=60).json()["choices"][0]["logprobs"]
-    assert lp["behaviour_logprobs"] == lp["token_logprobs"] and len(lp["top_behaviour_logprobs"][0]) == 2
+    assert lp["behaviour_logprobs"] == lp["processed_logprobs"] and len(lp["top_behaviour_logprobs"][0]) == 2
 
 
 BAD = [  # (verification, other fields, status-400 param, words of the message)

@@ -123,6 +123,31 @@ def test_speculation_off_by_batch_is_plain_decoding_token_for_token():
         assert s.stats()["verification"]["speculation"]["blocks_off"] == len(s.blocks)
 
 
+def test_a_row_without_the_policy_keeps_its_k_beside_adaptive_rows():
+    """In a decoder with a policy (the server's --k auto), a row added with its own k and no policy (a
+    request that pins verification.k) drafts that k every block, even where the policy turns the
+    adaptive rows' speculation off at the batch's size; its tokens are those of the row decoded alone
+    with that k."""
+    from verispec.decode import BatchDecoder, speculative_decode
+
+    target, draft = toy_pair()
+    policy = AdaptivePolicy(COSTS, k_max=2)  # from batch 4 on speculation cannot pay: adaptive rows off
+    dec = BatchDecoder(target, ModelDrafter(draft), "lossless", DecodeConfig(k=2, policy=policy))
+    pinned = dec.add([1], torch.Generator().manual_seed(50), DecodeConfig(k=2, max_new_tokens=10))
+    adaptive = [dec.add([1], torch.Generator().manual_seed(i), DecodeConfig(k=2, max_new_tokens=10,
+                                                                           policy=policy)) for i in range(3)]
+    done = {}
+    while dec.active:
+        done.update(dict(dec.step()))
+    alone = speculative_decode(target, ModelDrafter(draft), [1], "lossless",
+                               DecodeConfig(k=2, max_new_tokens=10), torch.Generator().manual_seed(50))
+    assert done[pinned].token_ids == alone.token_ids and done[pinned].blocks == alone.blocks
+    assert done[pinned].speculation is None and all(b.proposed > 0 for b in done[pinned].blocks[:-1])
+    assert all(done[row].speculation["blocks_off"] > 0 for row in adaptive)
+    with pytest.raises(ValueError, match="decoder's speculation policy"):
+        dec.add([1], torch.Generator(), DecodeConfig(policy=AdaptivePolicy(COSTS, k_max=1)))
+
+
 @pytest.mark.slow
 def test_measured_costs_on_the_default_pair_drive_greedy_exactly():
     """Costs measured on this machine, whatever they are, change only how much is drafted: greedy

@@ -90,7 +90,7 @@ def pair_costs(target, drafter, prompt_ids: list[int], sizes: tuple[int, ...],
 
 
 AUTO_K = "auto"  # k chosen per block and row from measured costs (verispec.speculation)
-AUTO_K_MAX = 8  # the widest block k="auto" considers
+AUTO_K_MAX = defaults.AUTO_K_MAX  # the widest block k="auto" considers
 
 
 def _is_int(value) -> bool:

@@ -535,7 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(srv)
     srv.add_argument("--rule", default="lossless",
                      help="the server's default rule (a request may name its own)")
-    srv.add_argument("--k", type=int, default=4, help="default draft tokens per block")
+    srv.add_argument("--k", type=k_arg, default=4,
+                     help="default draft tokens per block, or auto: each row's k per block (0 = plain) from "
+                          "the pair's pass costs measured at start and the row's acceptance so far, at the "
+                          "current batch size (a request's own verification.k pins its k)")
     srv.add_argument("--tree", default=None, metavar="SHAPE",
                      help="the default draft shape, e.g. tree:widths=4,2,2,1 or drafts:n=3 (--rule is then a "
                           "tree rule); a request may name its own in verification.tree, or 'none' for chains")

@@ -416,7 +416,8 @@ class _Row:
     draft_calls: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
-    acceptance: RowAcceptance | None = None  # with an adaptive policy
+    acceptance: RowAcceptance | None = None  # in a decoder with an adaptive policy
+    adaptive: bool = False  # its k chosen by the policy (else its config's k)
 
     def cut(self, out: list[int]) -> tuple[int, str | None]:
         """How many of a block's tokens `out` the row keeps, and why it finishes (None: it goes on):
@@ -509,8 +510,9 @@ class BatchDecoder:
         if config.sampling != self.config.sampling and self._trees is not None:
             raise ValueError("every row of a tree-mode BatchDecoder uses the decoder's sampling settings "
                              f"({self.config.sampling}), got {config.sampling}")
-        if config.policy != self.config.policy:
-            raise ValueError("every row of a BatchDecoder uses the decoder's speculation policy")
+        if config.policy is not None and config.policy != self.config.policy:
+            raise ValueError("an adaptive row of a BatchDecoder uses the decoder's speculation policy "
+                             "(a row without one keeps its own k)")
         if config.tree != self.config.tree:
             raise ValueError(f"every row of a BatchDecoder uses the decoder's draft shape "
                              f"({self.config.tree})")
@@ -523,7 +525,8 @@ class BatchDecoder:
         stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
                                record=_Recorder(self.rule, config), start=time.perf_counter(),
-                               acceptance=None if config.policy is None else RowAcceptance())
+                               acceptance=None if self.config.policy is None else RowAcceptance(),
+                               adaptive=config.policy is not None)
         return row
 
     def tokens(self, row: int) -> list[int]:
@@ -558,15 +561,17 @@ class BatchDecoder:
         sampling = [r.config.sampling for r in rows]  # each row's own settings
         if policy is None:
             wanted = [r.config.k for r in rows]
-        else:  # each row's k from its own acceptance; then whether the batch's block pays at all
+        else:  # each adaptive row's k from its own acceptance (a row without the policy keeps its k);
+            # then whether the batch's block pays at all: if not, the adaptive rows draft nothing
             estimates = [r.acceptance.estimate for r in rows]
-            wanted = [policy.choose_k(a, r.acceptance.tests, r.acceptance.accepted)
-                      for a, r in zip(estimates, rows)]
-            off = policy.by_batch and any(wanted) and not policy.pays(estimates, wanted)
-            wanted = [0] * len(rows) if off else wanted
+            wanted = [policy.choose_k(a, r.acceptance.tests, r.acceptance.accepted) if r.adaptive
+                      else r.config.k for a, r in zip(estimates, rows)]
+            off = (policy.by_batch and any(k for k, r in zip(wanted, rows) if r.adaptive)
+                   and not policy.pays(estimates, wanted))
+            wanted = [0 if off and r.adaptive else k for k, r in zip(wanted, rows)]
             for r, k in zip(rows, wanted):
                 r.acceptance.choices.append(k)
-                r.acceptance.off += int(off)
+                r.acceptance.off += int(off and r.adaptive)
         # a block emits up to k + 1 tokens
         ks = [min(k, r.config.max_new_tokens - r.new - 1) for k, r in zip(wanted, rows)]
         t0 = time.perf_counter()
@@ -707,7 +712,7 @@ class BatchDecoder:
 
     def _speculation(self, r: _Row) -> dict | None:
         policy, seen = self.config.policy, r.acceptance
-        if policy is None or seen is None:
+        if policy is None or seen is None or not r.adaptive:
             return None
         return {"policy": "adaptive", "k_max": policy.k_max, "by_batch": policy.by_batch,
                 "costs": policy.costs.summary(), "k_per_block": list(seen.choices), "blocks_off": seen.off,

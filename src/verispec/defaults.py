@@ -14,6 +14,7 @@ AUTO_DRAFT = "auto"
 NO_DRAFT = "none"
 RULE = "lossless"
 K = 4  # draft tokens per block
+AUTO_K_MAX = 8  # the widest block k="auto" (`verispec.speculation`) considers
 MAX_NEW_TOKENS = 64
 TEMPERATURE = 1.0
 BATCH_SIZE = 8  # rows decoded together (generate, run, bench); the server's `max_batch` is its own setting

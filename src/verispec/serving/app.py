@@ -180,6 +180,12 @@ def pair_rule(spec: str, shape: DraftShape | None) -> Rule | TreeVerification:
     return tree_verification_rule(spec, shape)
 
 
+
+def body_k(body: dict):
+    """The request's verification.k as sent (None when absent)."""
+    ver = body.get("verification")
+    return ver.get("k") if isinstance(ver, dict) else None
+
 class Server:
     """The models, the engine, the metrics and the request handling of one `verispec serve`."""
 
@@ -209,7 +215,7 @@ class Server:
         elif self.default_shape is not None:  # what needs the models: the vocabulary, the context
             try:
                 tree_verification(self.default_rule, self.default_shape, self.drafter, self.target.vocab_size)
-                check_tree_room(self.target, 1, DecodeConfig(k=config.k, tree=self.default_shape))
+                check_tree_room(self.target, 1, DecodeConfig(k=config.k_default, tree=self.default_shape))
             except ValueError as err:
                 raise ValueError(f"--tree {self.default_shape.spec}: {err}") from None
         for role, model in (("target", self.target), ("draft", getattr(self.drafter, "model", None))):
@@ -225,7 +231,7 @@ class Server:
         self.context = getattr(getattr(getattr(self.target, "model", None), "config", None),
                                "max_position_embeddings", None)
         self.max_prompt_chars = _max_prompt_chars(self.target, self.context)
-        self.metrics = Metrics(config.k, self.model_name, config.metrics_names)
+        self.metrics = Metrics(config.k_default, self.model_name, config.metrics_names)
         self.engine = Engine(self.target, self.drafter, config, self.metrics)
 
     # -- parsing ------------------------------------------------------------------------------------
@@ -249,7 +255,8 @@ class Server:
 
     def parse_rule(self, body: dict) -> tuple[Rule | TreeVerification | None, int, DraftShape | None]:
         """The request's rule (None: plain decoding), k and draft shape (None: chain drafts), checked
-        without the prompt (the tree's room in the context is `parse_request`'s)."""
+        without the prompt (the tree's room in the context is `parse_request`'s). With --k auto, a request
+        without verification.k (or with "auto") adapts its k (`Params.adaptive`); its own k pins it."""
         ver = body.get("verification")
         if ver is None:
             ver = {}
@@ -260,7 +267,11 @@ class Server:
         if unknown:
             raise APIError(400, f"unknown 'verification' fields: {', '.join(sorted(unknown))} "
                                 "(known: rule, k, tree)", "verification")
-        k = _number(ver, "k", int, 1, self.config.max_k, default=self.config.k)
+        if ver.get("k") == "auto" and not self.config.adaptive:
+            raise APIError(400, "'verification.k': auto needs a server started with --k auto (it measures "
+                                "the pair's pass costs at start)", "verification.k")
+        k = (self.config.k_default if ver.get("k") in (None, "auto") else
+             _number(ver, "k", int, 1, self.config.max_k))
         shape = self.parse_tree(ver)
         spec = ver.get("rule")
         if spec is not None and not isinstance(spec, str):
@@ -475,7 +486,10 @@ class Server:
                                 "decoding (or the operator allows it with --allow-greedy-sampling)",
                            "verification.rule", "rule_not_allowed")
         warnings = self.check_response_tv(rule, max_tokens)
+        adaptive = (self.config.adaptive and shape is None and rule is not None
+                    and body_k(body) in (None, "auto"))
         return Params(prompt_ids=prompt_ids, rule=rule, k=k, max_tokens=max_tokens, sampling=sampling,
+                      adaptive=adaptive,
                       tree=shape, seed=seed, stop=stop, stream=stream, model=self.model_name,
                       ignore_eos=ignore_eos, logprobs=logprobs, include_usage=include_usage,
                       warnings=warnings, n=n, echo=echo)

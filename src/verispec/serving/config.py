@@ -36,7 +36,9 @@ class ServeConfig:
     target: str = defaults.TARGET
     draft: str | None = defaults.AUTO_DRAFT  # "auto": the target's default drafter; "none" or None: plain
     rule: str = defaults.RULE  # the server's default rule
-    k: int = defaults.K  # the default draft tokens per block
+    # the default draft tokens per block, or "auto": per block and row from the pair's pass costs, measured
+    # at start (`verispec.speculation`; a request's own verification.k pins its k)
+    k: int | str = defaults.K
     allow_rules: tuple[str, ...] | None = None  # rule names, families or full specs; None: all
     max_tv_per_token: float | None = None  # refuse rules that cannot certify this per-token TV
     max_tv_per_response: float | None = None  # refuse requests whose certified response TV exceeds this
@@ -75,8 +77,14 @@ class ServeConfig:
             value = getattr(self, name)
             if not _int(value) or value < low:
                 raise ValueError(f"{FLAGS[name]} must be an integer >= {low}, got {value!r}")
-        if not _int(self.k) or not 1 <= self.k <= self.max_k:
-            raise ValueError(f"--k must be an integer in [1, {self.max_k}], got {self.k!r}")
+        if self.k == "auto":
+            if self.draft in (None, defaults.NO_DRAFT):
+                raise ValueError("--k auto chooses how many tokens to draft; a server without a drafter "
+                                 "(--draft none) drafts none")
+            if self.tree is not None:
+                raise ValueError("--k auto chooses a chain's k; it does not apply to --tree drafts")
+        elif not _int(self.k) or not 1 <= self.k <= self.max_k:
+            raise ValueError(f"--k must be an integer in [1, {self.max_k}] or auto, got {self.k!r}")
         d = self.default_max_tokens
         if d is not None and (not _int(d) or not 1 <= d <= self.max_tokens_limit):
             raise ValueError(f"--default-max-tokens must be an integer in [1, --max-tokens-limit = "
@@ -104,6 +112,16 @@ class ServeConfig:
             raise ValueError("--allow-rules needs at least one rule name, family or spec")
         if self.tree is not None:
             self._check_tree()
+
+    @property
+    def adaptive(self) -> bool:
+        """--k auto: speculation adapts to the load (`verispec.speculation.AdaptivePolicy`)."""
+        return self.k == "auto"
+
+    @property
+    def k_default(self) -> int:
+        """A request's k when it gives none: --k, or with --k auto the widest block it may choose."""
+        return min(defaults.AUTO_K_MAX, self.max_k) if self.adaptive else self.k
 
     def _check_tree(self) -> None:
         """--tree: a well-formed shape, a drafter, a tree rule as --rule, at most --max-tree-nodes nodes

@@ -40,11 +40,16 @@ from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
 from verispec.serving.config import APIError, ServeConfig, shutting_down
 from verispec.serving.metrics import Metrics
+from verispec.speculation import AdaptivePolicy, measure_costs
 from verispec.tree_decode import TreeVerification
 from verispec.trees import DraftShape
 
 log = logging.getLogger(__name__)
 
+
+# --k auto: the batch sizes whose pass costs are measured at start (a larger batch uses the largest
+# measured one not above it, `speculation.Costs.at`)
+ADAPTIVE_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 @dataclass
 class Params:
@@ -66,6 +71,7 @@ class Params:
     echo: bool = False  # completions: the prompt comes first in the text (and, with logprobs, its entries)
     warnings: list[str] = field(default_factory=list)  # returned with the response
     tree: DraftShape | None = None  # the draft shape (tree:widths=..., drafts:n=...); None: chain drafts
+    adaptive: bool = False  # --k auto and no k of its own: k chosen per block from the measured costs
 
 
 class QueueFull(Exception):
@@ -112,6 +118,7 @@ class Engine:
         self.running = 0  # rows decoding, and those taken from the queue to join (updated under the lock)
         self.error: BaseException | None = None
         self.ready = False  # the warm-up has run (`_warm_up`): /health answers 200 from then on
+        self.policy: AdaptivePolicy | None = None  # --k auto: from the costs measured at warm-up
 
     @property
     def waiting(self) -> int:
@@ -183,12 +190,17 @@ class Engine:
         started = time.perf_counter()
         encode = getattr(self.target, "encode", None)
         prompt = (encode("Hello") if callable(encode) else None) or [0]
-        config = DecodeConfig(k=min(self.config.k, 2), max_new_tokens=4, stop_at_eos=False,
+        config = DecodeConfig(k=min(self.config.k_default, 2), max_new_tokens=4, stop_at_eos=False,
                               diagnostics=self.config.diagnostics)
         decode_prompts(self.target, [prompt], [torch.Generator().manual_seed(0)], config)
         if self.drafter is not None:
             decode_prompts(self.target, [prompt], [torch.Generator().manual_seed(0)], config,
                            drafter=self.drafter, rule="lossless")
+        if self.config.adaptive:  # the pair's pass costs at the batch sizes the server runs
+            sizes = tuple(b for b in ADAPTIVE_BATCH_SIZES if b <= self.config.max_batch)
+            costs = measure_costs(self.target, self.drafter, prompt, self.config.k_default, sizes)
+            self.policy = AdaptivePolicy(costs, self.config.k_default)
+            log.info("--k auto: pass costs measured at batch sizes %s: %s", sizes, costs.summary())
         self.ready = True
         log.info("warm-up done in %.1f s", time.perf_counter() - started)
 
@@ -285,14 +297,16 @@ class Engine:
             dec = self._groups.get(key)
             if dec is None:
                 drafter = None if self.plain else copy.copy(self.drafter)  # its own batch state
+                policy = self.policy if p.tree is None and not self.plain else None
                 dec = BatchDecoder(self.target, drafter, p.rule or "lossless",
-                                   DecodeConfig(k=self.config.k, sampling=p.sampling, tree=p.tree))
+                                   DecodeConfig(k=self.config.k_default, sampling=p.sampling, tree=p.tree,
+                                                policy=policy))
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
                                   keep_probs=p.logprobs is not None and (  # rows: top and the logits
                                       p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
-                                  tree=p.tree)
+                                  tree=p.tree, policy=self.policy if p.adaptive else None)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
             self.running -= 1

@@ -1,0 +1,62 @@
+"""`verispec serve --k auto`: the pair's pass costs measured at start (before /health says ready), each
+request's k chosen per block from them and its own acceptance at the batch's size (0 = plain decoding),
+a request's own verification.k pinning its k, and the settings refused that cannot apply. At temperature
+0 an adaptive lossless request is the target's greedy decoding token for token (k changes how many
+tokens are drafted, never the law)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from test_serve import Running  # noqa: E402
+
+from verispec.serving.config import ServeConfig  # noqa: E402
+
+PROMPT = "KING.\nWhat says the queen?\n"
+
+
+def test_k_auto_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="--draft none"):
+        ServeConfig(target="default", draft="none", k="auto")
+    with pytest.raises(ValueError, match="--tree"):
+        ServeConfig(target="default", draft="default-draft", k="auto", tree="tree:widths=2,2",
+                    rule="traversal")
+    with pytest.raises(ValueError, match="or auto"):
+        ServeConfig(target="default", draft="default-draft", k="sometimes")
+
+
+@pytest.mark.slow
+def test_a_k_auto_server_adapts_unpinned_requests_and_keeps_pinned_ones():
+    import verispec
+
+    running = Running(ServeConfig(target="default", draft="default-draft", k="auto", max_batch=8))
+    try:
+        assert running.app.state.server.engine.policy is not None  # measured during the warm-up
+        body = {"prompt": PROMPT, "max_tokens": 40, "seed": 3, "temperature": 0}
+        adaptive = httpx.post(running.url + "/v1/completions", json=body, timeout=120).json()
+        spec = adaptive["verification"]["speculation"]
+        assert spec["policy"] == "adaptive"
+        assert len(spec["k_per_block"]) == adaptive["verification"]["target_calls"]  # one k per block
+        assert all(0 <= k <= spec["k_max"] for k in spec["k_per_block"]) and spec["costs"]["1"]["c"] > 0
+        greedy = verispec.generate(PROMPT, target="default", draft=None, max_new_tokens=40, temperature=0,
+                                   chat=False)
+        assert adaptive["token_ids"] == list(greedy.token_ids)  # lossless at T = 0: the target's greedy
+        pinned = httpx.post(running.url + "/v1/completions", timeout=120,
+                            json={**body, "verification": {"k": 3}}).json()
+        assert pinned["verification"]["speculation"] is None and pinned["token_ids"] == adaptive["token_ids"]
+        auto = httpx.post(running.url + "/v1/completions", timeout=120,
+                          json={**body, "verification": {"k": "auto"}}).json()
+        assert auto["verification"]["speculation"]["policy"] == "adaptive"
+    finally:
+        running.close()
+    fixed = Running(ServeConfig(target="default", draft="default-draft"))
+    try:
+        resp = httpx.post(fixed.url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 4, "verification": {"k": "auto"}})
+        assert resp.status_code == 400 and "--k auto" in resp.json()["error"]["message"]
+    finally:
+        fixed.close()
