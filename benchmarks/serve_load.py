@@ -10,7 +10,15 @@ report summarises), and in process, `Generation.stats()` (which builds the repor
 
     python benchmarks/serve_load.py                       # all modes, concurrency 1 4 16 64
     python benchmarks/serve_load.py --concurrency 1 4 --max-tokens 16
+    python benchmarks/serve_load.py --modes plain lossless lossless-auto lossless-mixed --concurrency 1 4 16
     python benchmarks/serve_load.py --modes lossless lossless-1thread --ray-replicas 1 2 --concurrency 1 4 16
+
+The mode `lossless-auto` is the lossless server with `--k auto` (each request's k per block, 0 = plain,
+from the pair's pass costs measured at start, at the batch's size); the table then prints its
+throughput against plain decoding's at each concurrency. The mode `lossless-mixed` is the lossless
+server sent requests at eight different temperatures (0.3 to 1.0; the other modes send temperature 1):
+each request's rows keep their own settings in one batch, so its throughput beside `lossless` shows
+what mixed sampling settings cost. `--target/--draft` serve another pair (e.g. the int4 Qwen pair).
 
 `--ray-replicas N ...` adds, per N, the lossless mode served by `verispec serve --ray --replicas N` (a
 local Ray instance that the server process starts and stops; each replica has its own models, engine and
@@ -61,9 +69,13 @@ def start_server(extra: list[str], wait: float = 120,
     raise RuntimeError("server did not start")
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> dict:
+MIXED_TEMPERATURES = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, mixed: bool = False) -> dict:
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "seed": i, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "temperature": MIXED_TEMPERATURES[i % len(MIXED_TEMPERATURES)] if mixed else 1.0}
     start = time.perf_counter()
     first = None
     final = usage = None
@@ -83,13 +95,13 @@ async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> d
             "tokens": usage["completion_tokens"], "verification": final["verification"]}
 
 
-async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def level(url: str, concurrency: int, requests: int, max_tokens: int, mixed: bool = False) -> dict:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def bounded(i):
             async with sem:
-                return await one(client, url, i, max_tokens)
+                return await one(client, url, i, max_tokens, mixed)
 
         start = time.perf_counter()
         out = await asyncio.gather(*(bounded(i) for i in range(requests)))
@@ -137,25 +149,31 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help="per level (default: max(4, concurrency))")
     parser.add_argument("--modes", nargs="+", default=["lossless", "plain", "lossless-nodiag"])
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--draft", default="default-draft")
     parser.add_argument("--ray-replicas", nargs="*", type=int, default=[],
                         help="also the lossless mode on Ray Serve with each of these replica counts")
     args = parser.parse_args()
-    modes = {"lossless": ["--draft", "default-draft", "--rule", "lossless"], "plain": ["--draft", "none"],
-             "lossless-nodiag": ["--draft", "default-draft", "--rule", "lossless", "--no-diagnostics"]}
+    pair = ["--target", args.target, "--draft", args.draft]
+    modes = {"lossless": [*pair, "--rule", "lossless"], "plain": [*pair[:2], "--draft", "none"],
+             "lossless-nodiag": [*pair, "--rule", "lossless", "--no-diagnostics"]}
+    modes["lossless-mixed"] = modes["lossless"]  # the same server, requests at eight temperatures
+    modes["lossless-auto"] = [*modes["lossless"], "--k", "auto"]  # k per block and row from measured costs
     modes["lossless-1thread"] = modes["lossless"]  # the local server with one torch thread, as a replica
     envs = {"lossless-1thread": {"OMP_NUM_THREADS": "1"}}
     for n in args.ray_replicas:
         modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
     rows = []
     for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]:
-        proc, url = start_server(modes[mode], wait=300 if "--ray" in modes[mode] else 120, env=envs.get(mode))
+        proc, url = start_server(modes[mode], wait=600, env=envs.get(mode))  # a large pair loads in minutes
         try:
             asyncio.run(level(url, 4, 8, args.max_tokens))  # warm up (first batch shapes are slow)
             for c in args.concurrency:
                 if mode == "lossless-nodiag" and c != max(args.concurrency):
                     continue  # the diagnostics toggle: one level is enough
                 n = args.requests or max(4, c)
-                row = {"mode": mode, **asyncio.run(level(url, c, n, args.max_tokens))}
+                mixed = mode == "lossless-mixed"
+                row = {"mode": mode, **asyncio.run(level(url, c, n, args.max_tokens, mixed))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -168,6 +186,16 @@ def main() -> None:
         print(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
               f"{r['p50_latency']:.2f} | {r['p99_latency']:.2f} | {r['p50_ttft']:.2f} | "
               f"{r['p99_ttft']:.2f} | {r['tokens_per_target_call']:.2f} |")
+    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        if r["mode"] in ("lossless", "lossless-auto") and r["concurrency"] in plain:
+            print(f"{r['mode']} / plain at concurrency {r['concurrency']}: "
+                  f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x")
+    single = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "lossless"}
+    for r in rows:
+        if r["mode"] == "lossless-mixed" and r["concurrency"] in single:
+            print(f"mixed temperatures / one temperature at concurrency {r['concurrency']}: "
+                  f"{r['tokens_per_s'] / single[r['concurrency']]:.2f}x")
     over = report_overhead()
     print(f"\nin process (16 x 64 tokens, budget:tv=0.01,ratio=2): building the report "
           f"{100 * over['report_build_fraction']:.2f}% of decode time; its diagnostics "
