@@ -199,8 +199,40 @@ def test_continuous_batching_rows_join_and_leave():
             assert_same(done[row], single)
     with pytest.raises(ValueError, match="no active row"):
         dec.cancel(cancelled)
-    with pytest.raises(ValueError, match="sampling"):
-        dec.add([1], None, DecodeConfig(sampling=SamplingConfig(temperature=0.5)))
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        dec.add([1], None, DecodeConfig(prefill_chunk=0))
+
+
+@pytest.mark.parametrize("spec", ["lossless", "lenience:l=0.5", None])
+def test_chunked_prefill_interleaves_and_changes_no_token(spec):
+    """Rows with long prompts fed 8 prompt tokens per step (`DecodeConfig.prefill_chunk`) beside short
+    rows: the short rows decode a block in every step meanwhile (the long prompts hold nothing up), the
+    long rows are fed the one with fewer tokens left first and start decoding once their prompt is in,
+    and every row gives what it gives alone in one pass (the toy pair has no cache: exact)."""
+    target, draft = toy_pair()
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(0, V - 1, n).tolist() for n in (40, 2, 25, 3)]
+    chunked = DecodeConfig(k=2, max_new_tokens=6, stop_at_eos=False, prefill_chunk=8)
+    dec = BatchDecoder(target) if spec is None else BatchDecoder(target, ModelDrafter(draft), spec, chunked)
+    rows = [dec.add(p, seeded(60 + i), chunked) for i, p in enumerate(ps)]
+    assert [dec.prefilling(r) for r in rows] == [True, False, True, False]
+    done, first = {}, {}
+    for step in range(1, 40):
+        for row, gen in dec.step():
+            done[row] = gen
+        for i, row in enumerate(rows):
+            if i not in first and (row in done or dec.tokens(row)):
+                first[i] = step
+        if not dec.active:
+            break
+    assert first[1] == first[3] == 1  # the short rows decode from the first step
+    # row 2's 24 context tokens first: 3 chunks, the 3rd step decoding too; then row 0's 39: 5 more
+    assert first[2] == 3 and first[0] == 8
+    for i, p in enumerate(ps):
+        alone = DecodeConfig(k=2, max_new_tokens=6, stop_at_eos=False)
+        single = (autoregressive_decode(target, p, alone, seeded(60 + i)) if spec is None else
+                  speculative_decode(target, ModelDrafter(draft), p, spec, alone, seeded(60 + i)))
+        assert_same(done[rows[i]], single)
 
 
 def test_long_and_short_prompts_and_eos_first():
@@ -385,6 +417,31 @@ def test_default_pair_greedy_batched_equals_batch1(pair, suite_prompts):
     assert len(notes) <= 2, notes  # ties within float noise are rare; more flips mean a real difference
     for out in spec_b + plain_b:
         assert len(out.token_ids) == 48
+
+
+@pytest.mark.slow
+def test_default_pair_chunked_prefill_agrees_with_one_pass(pair):
+    """On a real model (the lean backend's cache): a 300-token prompt fed 64 tokens per step decodes
+    the same greedy tokens as fed in one pass, with log-probabilities equal to float rounding (the
+    chunks attend through the cache: a different summation order, not other maths)."""
+    target, drafter = pair
+    text = "KING RICHARD.\n" + "Now is the winter of our discontent made glorious summer. " * 30
+    prompt = target.encode(text)[:300]
+    outs = []
+    for chunk in (None, 64):
+        config = DecodeConfig(k=3, max_new_tokens=24, sampling=SamplingConfig(temperature=0),
+                              stop_at_eos=False, prefill_chunk=chunk)
+        dec = BatchDecoder(target, drafter, "lossless", config)
+        dec.add(prompt, seeded(0), config)
+        steps = 0
+        while dec.active:
+            finished = dec.step()
+            steps += 1
+        outs.append((finished[0][1], steps))
+    (one, steps_one), (chunked, steps_chunked) = outs
+    assert steps_chunked == steps_one + 4  # 299 context tokens: 5 chunks, the last step of them decodes too
+    assert chunked.token_ids == one.token_ids
+    assert chunked.steps["log_target_raw"] == pytest.approx(one.steps["log_target_raw"], abs=1e-4)
 
 
 @pytest.mark.slow

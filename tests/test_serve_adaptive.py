@@ -60,3 +60,67 @@ def test_a_k_auto_server_adapts_unpinned_requests_and_keeps_pinned_ones():
         assert resp.status_code == 400 and "--k auto" in resp.json()["error"]["message"]
     finally:
         fixed.close()
+
+
+@pytest.mark.slow
+def test_a_long_prompt_is_fed_in_chunks_beside_short_requests_and_stops_when_its_client_leaves():
+    """--prefill-chunk 2: a 1,500-token prompt takes hundreds of engine steps to feed; short requests sent
+    after it finish meanwhile (each step also runs their blocks), and when its client leaves, the row is
+    cancelled at the next chunk, long before its prompt would be in. --max-prompt-tokens refuses longer
+    prompts with 400."""
+    import threading
+    import time
+
+    from test_serve import cancelled_count
+
+    running = Running(ServeConfig(target="default", draft="default-draft", prefill_chunk=2,
+                                  max_prompt_tokens=1600))
+    try:
+        target = running.app.state.server.target
+        ids = target.encode("ROMEO.\n" + "But soft, what light through yonder window breaks? " * 120)[:1500]
+        long_body = {"prompt": ids, "max_tokens": 4, "seed": 1}
+        engine = running.app.state.server.engine
+        seen_prefilling = []
+
+        def watch(stop):
+            while not stop.is_set():
+                for dec in list(engine._groups.values()):
+                    if any(dec.prefilling(row) for row in dec.active):
+                        seen_prefilling.append(time.monotonic())
+                time.sleep(0.005)
+
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(stop,))
+        watcher.start()
+        before = cancelled_count(running)
+        gave_up = []
+
+        def long_request():  # the client gives up while its prompt is still being fed
+            try:
+                httpx.post(running.url + "/v1/completions", json=long_body, timeout=2.0)
+            except httpx.TimeoutException:
+                gave_up.append(True)
+
+        client = threading.Thread(target=long_request)
+        try:
+            client.start()
+            time.sleep(0.3)
+            short = httpx.post(running.url + "/v1/completions", timeout=60,
+                               json={"prompt": PROMPT, "max_tokens": 8, "seed": 2})
+            short_done = time.monotonic()
+            assert short.status_code == 200 and len(short.json()["token_ids"]) == 8
+            client.join()
+            assert gave_up
+            running.wait_until(lambda h: h["running"] == 0, seconds=10)
+        finally:
+            stop.set()
+            watcher.join()
+        # the short request finished while the long prompt was still being fed
+        assert seen_prefilling and max(seen_prefilling) > short_done
+        assert cancelled_count(running) == before + 1  # cancelled mid-prefill, not run to its end
+        too_long = httpx.post(running.url + "/v1/completions", timeout=30,
+                              json={"prompt": ids + ids[:200], "max_tokens": 4})
+        assert too_long.status_code == 400
+        assert "--max-prompt-tokens 1600" in too_long.json()["error"]["message"]
+    finally:
+        running.close()

@@ -325,6 +325,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_batch=32 if args.max_batch is None else args.max_batch,
         max_batch_auto=args.max_batch is None, max_tokens_limit=args.max_tokens_limit,
         metrics_names=args.metrics_names, logprobs_mode=args.logprobs_mode,
+        prefill_chunk=args.prefill_chunk, max_prompt_tokens=args.max_prompt_tokens,
         default_max_tokens=args.default_max_tokens, diagnostics=args.diagnostics, device=args.device,
         dtype=args.dtype, draft_dtype=args.draft_dtype, served_model_name=args.served_model_name,
         shutdown_grace=args.shutdown_grace, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
@@ -572,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-names", choices=["verispec", "vllm"], default="verispec",
                      help="/metrics names: verispec:... (default) or vLLM's vllm:..., so dashboards written "
                           "for vLLM's spec-decode metrics read this server")
+    srv.add_argument("--prefill-chunk", type=int, default=256,
+                     help="a prompt longer than this is fed this many tokens per engine step, between the "
+                          "other requests' blocks (so it cannot hold them up, and a client that leaves stops "
+                          "it at the next chunk); 0: in one pass (default 256)")
+    srv.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="longest prompt accepted, in tokens (default: the model's context)")
     srv.add_argument("--logprobs-mode", default="raw_logprobs",
                      choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
                      help="what OpenAI's logprobs fields show, as vLLM's option: the raw model's log-probs "

@@ -59,6 +59,11 @@ class DecodeConfig:
     # tree or multi-draft blocks (`verispec.tree_decode`): a draft shape, `tree:widths=4,2,2,1` or
     # `drafts:n=3[,replacement=0][,depth=D]` (a spec string is parsed); None: chain drafts of k tokens
     tree: DraftShape | str | None = None
+    # chain and plain rows of a BatchDecoder: a prompt longer than this many tokens is fed to the caches
+    # in chunks, at most this many prompt tokens per `step` beside the other rows' blocks (the rows with
+    # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
+    # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
@@ -74,6 +79,9 @@ class DecodeConfig:
             raise ValueError(f"k (draft tokens per block) must be an integer >= 1, got {self.k!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        c = self.prefill_chunk
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None, got {c!r}")
 
 
 @dataclass(frozen=True)
@@ -417,6 +425,8 @@ class _Row:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     acceptance: RowAcceptance | None = None  # in a decoder with an adaptive policy
+    fed: int = 0  # prompt tokens already in the caches by chunked prefill (`DecodeConfig.prefill_chunk`)
+    to_feed: int = 0  # prompt tokens chunked prefill feeds before the row's first block (0: none)
     adaptive: bool = False  # its k chosen by the policy (else its config's k)
 
     def cut(self, out: list[int]) -> tuple[int, str | None]:
@@ -527,7 +537,42 @@ class BatchDecoder:
                                record=_Recorder(self.rule, config), start=time.perf_counter(),
                                acceptance=None if self.config.policy is None else RowAcceptance(),
                                adaptive=config.policy is not None)
+        chunk = config.prefill_chunk
+        if chunk is not None and self._trees is None and prompt.shape[0] - 1 > chunk:
+            self._rows[row].to_feed = prompt.shape[0] - 1  # all but the last: its first block scores it
         return row
+
+    def prefilling(self, row: int) -> bool:
+        """Whether a row is still having its prompt fed in chunks (it decodes once that is done)."""
+        r = self._rows.get(row)
+        return r is not None and r.fed < r.to_feed
+
+    def _prefill_some(self) -> None:
+        """One step's prefill: up to `prefill_chunk` prompt tokens, to the rows still prefilling with the
+        fewest tokens left first (a short prompt is not held up behind a long one; a long one goes on
+        whenever no shorter one waits)."""
+        waiting = sorted((r.to_feed - r.fed, i) for i, r in self._rows.items() if r.fed < r.to_feed)
+        if not waiting:
+            return
+        budget = self._rows[waiting[0][1]].config.prefill_chunk
+        for left, row in waiting:
+            if budget <= 0:
+                break
+            self._prefill(row, min(left, budget))
+            budget -= min(left, budget)
+
+    def _prefill(self, row: int, count: int) -> None:
+        """Feed the next `count` tokens of a row's prompt to the target's cache and the drafter's (one
+        pass each, scoring only the last position fed, which nobody reads)."""
+        r = self._rows[row]
+        end = r.fed + count
+        start = time.perf_counter()
+        self._session.logits_for([row], [r.prompt[:end]], [1])
+        prefill = getattr(self.drafter, "prefill", None)
+        if prefill is not None:
+            prefill(row, r.prompt[:end])
+        r.fed = end
+        r.target_seconds += time.perf_counter() - start
 
     def tokens(self, row: int) -> list[int]:
         """The token ids a row has committed so far (its prompt excluded), e.g. for streaming."""
@@ -543,10 +588,13 @@ class BatchDecoder:
         return self._finish(row, "cancelled")
 
     def step(self) -> list[tuple[int, Generation]]:
-        """One block for every active row; returns the rows that finished in it, with their output."""
-        if not self._rows:
+        """One block for every active row whose prompt is in the caches, after up to one chunk of
+        prompt tokens for the rows still prefilling (`DecodeConfig.prefill_chunk`, `_prefill_some`);
+        returns the rows that finished in it, with their output."""
+        self._prefill_some()
+        ids = [i for i in self._rows if not self.prefilling(i)]
+        if not ids:
             return []
-        ids = list(self._rows)
         rows = [self._rows[i] for i in ids]
         if self._trees is not None:
             ends = self._tree_step(ids, rows)

@@ -29,6 +29,10 @@ class ModelDrafter:
     def release(self, row: int) -> None:
         self._batch.release(row)
 
+    def prefill(self, row: int, context: Tensor) -> None:
+        """Feed `context` [L] to row `row`'s draft cache (a chunk of a long prompt, `BatchDecoder.step`)."""
+        self._batch.logits_for([row], [context], [1])
+
     def propose_batch(self, rows: list[int], contexts: list[Tensor], ks: list[int],
                       sampling: SamplingConfig | Sequence[SamplingConfig],
                       generators: list[torch.Generator]) -> list[tuple[Tensor, Tensor]]:

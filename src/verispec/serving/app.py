@@ -427,6 +427,11 @@ class Server:
         vocab = self.target.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, more than this server's "
+                                f"--max-prompt-tokens {limit}", "messages" if chat else "prompt",
+                           "context_length_exceeded")
         # lengths
         key = "max_tokens"
         if chat and body.get("max_completion_tokens") is not None:

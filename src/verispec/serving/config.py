@@ -21,7 +21,8 @@ FLAGS = {"k": "--k", "max_k": "max_k", "max_queue": "--max-queue", "max_batch": 
          "max_tokens_limit": "--max-tokens-limit", "default_max_tokens": "--default-max-tokens",
          "max_tv_per_token": "--max-tv-per-token", "max_tv_per_response": "--max-tv-per-response",
          "shutdown_grace": "--shutdown-grace", "max_n": "--max-n", "max_tree_nodes": "--max-tree-nodes",
-         "max_body_bytes": "--max-body-bytes", "body_timeout": "--body-timeout"}
+         "max_body_bytes": "--max-body-bytes", "body_timeout": "--body-timeout",
+         "prefill_chunk": "--prefill-chunk"}
 
 
 def _int(value) -> bool:
@@ -70,10 +71,15 @@ class ServeConfig:
     # what OpenAI's logprobs fields show (vLLM's logprobs_mode, `verispec.logprobs.MODES`): the raw model's
     # log-probabilities by default; behaviour_logprobs and the sums stay in verispec's own fields
     logprobs_mode: str = "raw_logprobs"
+    # a prompt longer than this is fed to the caches this many tokens per engine step, beside the other
+    # rows' blocks (`DecodeConfig.prefill_chunk`): it cannot hold them up, and a client that leaves stops
+    # it at the next chunk; 0: in one pass
+    prefill_chunk: int = 256
+    max_prompt_tokens: int | None = None  # longer prompts get 400; None: the model's context is the limit
 
     def __post_init__(self):
         for name, low in (("max_k", 1), ("max_queue", 0), ("max_batch", 1), ("max_tokens_limit", 1),
-                          ("max_n", 1), ("max_tree_nodes", 1), ("max_body_bytes", 1)):
+                          ("max_n", 1), ("max_tree_nodes", 1), ("max_body_bytes", 1), ("prefill_chunk", 0)):
             value = getattr(self, name)
             if not _int(value) or value < low:
                 raise ValueError(f"{FLAGS[name]} must be an integer >= {low}, got {value!r}")
@@ -85,6 +91,9 @@ class ServeConfig:
                 raise ValueError("--k auto chooses a chain's k; it does not apply to --tree drafts")
         elif not _int(self.k) or not 1 <= self.k <= self.max_k:
             raise ValueError(f"--k must be an integer in [1, {self.max_k}] or auto, got {self.k!r}")
+        m = self.max_prompt_tokens
+        if m is not None and (not _int(m) or m < 1):
+            raise ValueError(f"--max-prompt-tokens must be an integer >= 1, got {m!r}")
         d = self.default_max_tokens
         if d is not None and (not _int(d) or not 1 <= d <= self.max_tokens_limit):
             raise ValueError(f"--default-max-tokens must be an integer in [1, --max-tokens-limit = "

@@ -306,7 +306,8 @@ class Engine:
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
                                   keep_probs=p.logprobs is not None and (  # rows: top and the logits
                                       p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
-                                  tree=p.tree, policy=self.policy if p.adaptive else None)
+                                  tree=p.tree, policy=self.policy if p.adaptive else None,
+                                  prefill_chunk=self.config.prefill_chunk or None)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
             self.running -= 1
