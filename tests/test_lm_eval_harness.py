@@ -1,11 +1,12 @@
 """lm-evaluation-harness itself against `verispec serve`: its `local-completions` model on two tiny tasks
 defined from a local jsonl (a `multiple_choice` task: lm-eval's `loglikelihood` requests, echo with
-logprobs; a `generate_until` task), offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE; the tokenizer is
-the default pair's own tokenizer.json). Every log-likelihood lm-eval reports equals the continuation's
-log-probability under the target computed directly (transformers' forward, log softmax) within 2e-4
-(tests/test_serve_lm_eval.py gives the bound), its is_greedy flag equals the direct argmax check, and
-each generation (non-empty) equals argmax decoding cut at the task's stop string. A real server on
-127.0.0.1."""
+logprobs; a `generate_until` task), offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE), as a client of
+vLLM's server runs it: batch_size 4 and lm-eval's default tokenizer backend, which finds the server's
+/tokenizer_info and uses its /tokenize and /detokenize. Every log-likelihood lm-eval reports equals the
+continuation's log-probability under the target computed directly (transformers' forward, log softmax)
+within 2e-4 (tests/test_serve_lm_eval.py gives the bound), its is_greedy flag equals the direct argmax
+check, and each generation (non-empty) equals argmax decoding cut at the task's stop string. A real
+server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -27,10 +28,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_serve import Running  # noqa: E402
 from test_serve_lm_eval import TOL, direct_logprobs, encode_pair, greedy_ids  # noqa: E402
 
-from verispec.models import DEFAULT_PAIR  # noqa: E402
 from verispec.serving.config import ServeConfig  # noqa: E402
-
-TOKENIZER = DEFAULT_PAIR / "target"  # the target's tokenizer.json, loaded by lm-eval's AutoTokenizer
 
 DOCS = [
     {"context": "KING.\nWhat says the queen?", "choices": ["\nQUEEN.", "\nMadam, I am not well."],
@@ -86,11 +84,20 @@ def evaluated(tmp_path_factory):
     running = Running(ServeConfig(target="default", draft="default-draft", max_batch=8,
                                   max_queue=8, default_max_tokens=64))
     try:
+        from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
         target = running.app.state.server.target
+        # lm-eval's own check and tokenizer: the server's answers are the target's tokenizer
+        assert check_remote_tokenizer_support(running.url + "/v1/completions")
+        remote = RemoteTokenizer(running.url + "/v1/completions")
+        text = "KING RICHARD. Now is the winter"
+        assert remote.encode(text) == target.encode(text) and remote.decode(target.encode(text)) == text
+        assert remote.eos_token == target.tokenizer.eos_token and remote.eos_token_id == target.eos_token_id
+        # as a client of vLLM's server runs it: lm-eval's default ("auto") tokenizer backend finds the
+        # server's /tokenizer_info and /tokenize (no tokenizer files of its own), four prompts a request
         results = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args={"base_url": running.url + "/v1/completions", "model": "default",
-                        "tokenizer_backend": "huggingface", "tokenizer": str(TOKENIZER), "max_retries": 1},
+            model="local-completions", batch_size=4,
+            model_args={"base_url": running.url + "/v1/completions", "model": "default", "max_retries": 1},
             tasks=["verispec_tiny_choice", "verispec_tiny_generate"],
             task_manager=TaskManager(include_path=str(folder), include_defaults=False), log_samples=True)
     finally:

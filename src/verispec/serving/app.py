@@ -804,6 +804,26 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
         return {"prompt": server.target.decode(ids)}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's /tokenizer_info: the tokenizer's class, special tokens, chat template and context length
+        (what lm-evaluation-harness's remote tokenizer reads; with /tokenize and /detokenize it then needs
+        no tokenizer files of its own)."""
+        tok = getattr(server.target, "tokenizer", None)
+        if tok is None:
+            raise APIError(404, "this model has no tokenizer to describe", kind="not_found_error")
+
+        def special(name: str) -> str | None:
+            value = getattr(tok, name, None)
+            return value if isinstance(value, str) else None
+
+        template = getattr(tok, "chat_template", None)
+        return {"tokenizer_class": type(tok).__name__, "eos_token": special("eos_token"),
+                "bos_token": special("bos_token"), "pad_token": special("pad_token"),
+                "unk_token": special("unk_token"),
+                "chat_template": template if isinstance(template, str) else None,
+                "model_max_length": server.context, "vocab_size": server.target.vocab_size}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,

@@ -18,8 +18,8 @@ class Metrics:
     `verispec:` prefix (prometheus_client appends `_total` to counters, as for vLLM's), latencies,
     queue depth, running batch size, and per-rule fidelity histograms of the responses.
 
-    Labels: `model_name` (the served model, as vLLM's) on the request and token counters, the latency
-    histograms and the fidelity histograms, and `rule` too
+    Labels: `model_name` (the served model, as vLLM's) on every metric: the request and token counters,
+    the queue and batch gauges, the latency histograms and the fidelity histograms, and `rule` too
     on the speculative-decoding counters, so a server mixing lossless and lossy requests does not blend
     their acceptance; a tree row's `rule` label is the rule then its draft shape, e.g. `lossless
     tree:widths=3,2,1` (its positions are depths and its drafts tree nodes). vLLM's per-position
@@ -54,9 +54,11 @@ class Metrics:
         self.ttft = Histogram(f"{prefix}:time_to_first_token_seconds", "Time to first token (queue included)",
                               ["model_name"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                               registry=r)
-        self.waiting = Gauge(f"{prefix}:num_requests_waiting", "Requests in the queue", registry=r)
+        # the gauges' children for this model (`set` as on an unlabelled gauge)
+        self.waiting = Gauge(f"{prefix}:num_requests_waiting", "Requests in the queue", ["model_name"],
+                             registry=r).labels(model_name)
         self.running = Gauge(f"{prefix}:num_requests_running", "Rows decoding (running batch size)",
-                             registry=r)
+                             ["model_name"], registry=r).labels(model_name)
         small = (0.0, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
         self.mean_tv = Histogram(f"{prefix}:response_mean_tv", "Per-response mean per-token TV to the target",
                                  spec, buckets=small, registry=r)
