@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from verispec.evaluation import code_protocol, scorers
 from verispec.evaluation.comparisons import comparisons_table, length_table
-from verispec.evaluation.report import baseline_of
+from verispec.evaluation.summary import baseline_of
 from verispec.evaluation.store import read_rows, results_file
 from verispec.evaluation.suites import humaneval_items
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import environment, print_table
 
-from verispec.evaluation.report import row_seconds
+from verispec.evaluation.summary import row_seconds
 from verispec.evaluation.store import read_rows
 
 

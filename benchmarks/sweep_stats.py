@@ -1,7 +1,7 @@
 """Figures read from a committed sweep's rows (no decoding), for benchmarks/RESULTS.md.
 
 - per batch size: each configuration's rows, tokens, wall time of its units, throughput, speedup over
-  plain decoding (`verispec.evaluation.report.summarize` on that batch size's rows only), and the
+  plain decoding (`verispec.evaluation.summary.summarize` on that batch size's rows only), and the
   median per-row time per target pass and per draft step (the batch's prompt prefill included);
 - configurations that decoded identical tokens on every shared (prompt, seed) unit;
 - with --fence-stop (named Qwen targets): how many generated tokens come before the closing ``` of
@@ -46,7 +46,8 @@ from heldout import holm_adjusted, paired_by_problem, paired_text, problem_diffe
 
 from verispec.evaluation import comparisons
 from verispec.evaluation import stats as vstats
-from verispec.evaluation.report import is_score, planned_problems, row_seconds, summarize, timed_out_rows
+from verispec.evaluation.report import planned_problems, timed_out_rows
+from verispec.evaluation.summary import is_score, row_seconds, summarize
 from verispec.evaluation.store import read_rows
 
 
@@ -269,7 +270,7 @@ def score_as(rows: list[dict], suite_name: str) -> list[dict]:
 
 
 def pairs(rows: list[dict]) -> None:
-    from verispec.evaluation.report import mcnemar_exact, newcombe_paired_interval, paired_table
+    from verispec.evaluation.stats import mcnemar_exact, newcombe_paired_interval, paired_table
 
     scores = defaultdict(dict)  # config -> (prompt, seed) -> score (a scorer that could not run: left out)
     for row in rows:

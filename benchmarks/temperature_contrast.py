@@ -24,7 +24,7 @@ from pathlib import Path
 
 from verispec.evaluation import stats, store
 from verispec.evaluation.comparisons import PLAIN, canonical_side, config_key
-from verispec.evaluation.report import is_score
+from verispec.evaluation.summary import is_score
 
 Units = dict[tuple[str, int], dict[tuple[str, int], dict]]  # (rule, k) -> {(problem, seed): row}
 

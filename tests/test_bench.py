@@ -22,7 +22,8 @@ from verispec.cli import main
 from verispec.decode import DecodeConfig, speculative_decode
 from verispec.diagnostics import kl, max_ratio, tail_mass, tv
 from verispec.evaluation import load_results
-from verispec.evaluation.report import summarize, write_report
+from verispec.evaluation.report import write_report
+from verispec.evaluation.summary import summarize
 from verispec.evaluation.store import SAME_AS, SCHEMA_VERSION, ResultsFile, read_rows, read_runs, scan_rows
 from verispec.models import load_drafter, load_model
 from verispec.rules import parse

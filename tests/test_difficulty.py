@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from verispec.evaluation import comparisons, stats
-from verispec.evaluation.report import baseline_of
+from verispec.evaluation.summary import baseline_of
 from verispec.evaluation.store import read_rows
 
 SEEDS = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-sanitized-seeds"

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from verispec.evaluation.report import machine_notes, pace_note, planned_configs, summarize, terminal_table
+from verispec.evaluation.report import machine_notes, pace_note, planned_configs, terminal_table
+from verispec.evaluation.summary import summarize
 from verispec.evaluation.store import read_runs, run_started
 from verispec.evaluation.sweep import new_run_id
 from verispec.machine import cpu_model_and_flags, describe
@@ -49,7 +50,7 @@ def test_binary_score_intervals_and_mcnemar():
     """Wilson's interval and McNemar's exact test against scipy, and their use in the summary."""
     from scipy.stats import binomtest
 
-    from verispec.evaluation.report import mcnemar_exact, wilson_interval
+    from verispec.evaluation.stats import mcnemar_exact, wilson_interval
 
     for k, n in ((0, 10), (45, 100), (164, 164), (7, 20)):
         want = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
@@ -111,7 +112,7 @@ def test_t_quantiles_percentiles_and_large_mcnemar():
     from scipy.stats import binomtest
     from scipy.stats import t as student_t
 
-    from verispec.evaluation.report import mcnemar_exact, percentile, t_interval, t_quantile_975
+    from verispec.evaluation.stats import mcnemar_exact, percentile, t_interval, t_quantile_975
 
     for df in range(1, 400):
         assert t_quantile_975(df) == pytest.approx(student_t.ppf(0.975, df), rel=4e-4 if df <= 30 else 1e-6)
@@ -133,7 +134,7 @@ def test_newcombe_paired_interval():
     the edge cases a t-interval gets wrong, and its coverage by simulation."""
     import numpy as np
 
-    from verispec.evaluation.report import newcombe_paired_interval
+    from verispec.evaluation.stats import newcombe_paired_interval
 
     # Cavo et al. 2012 in Fagerland, Lydersen & Laake (2017), ch. 8: -0.0621 (-0.1186 to -0.0046)
     lo, hi = newcombe_paired_interval(59, 6, 16, 80)

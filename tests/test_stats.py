@@ -199,7 +199,7 @@ def test_tables_on_the_committed_rows(core_rows):
     assert "lenience:l=0.25 vs lossless has no rows on both sides" in missing and "(calibration)" in missing
     assert [comparisons.planned_look(n, 164, 3) for n in (1, 54, 55, 110, 164)] == [1, 1, 2, 3, 3]
     assert comparisons.planned_look(20, None, 3) == 3
-    from verispec.evaluation.report import baseline_of
+    from verispec.evaluation.summary import baseline_of
 
     lengths = comparisons.length_table(core_rows, baseline_of)
     plain_cap = sum(r["finish"] == "length" for r in core_rows if r["rule"] == "plain") / len(problems)
@@ -552,7 +552,8 @@ def test_tree_rows_are_configurations_of_their_own_in_the_outcome_tables(core_ro
     k: the outcome tables key it by its shape too, so a tree lossless configuration whose scores all
     differ leaves the chain comparisons as they were, gets its own length row (paired with plain, as in
     the main table), and is compared by naming its shape."""
-    from verispec.evaluation.report import baseline_of, outcome_sections
+    from verispec.evaluation.report import outcome_sections
+    from verispec.evaluation.summary import baseline_of
 
     declared = ["lossless vs plain"]
     by = {(r["rule"], r["prompt_id"]): r["score"] for r in core_rows}

@@ -14,7 +14,8 @@ import torch
 
 from verispec.api import check_device
 from verispec.cli import main
-from verispec.evaluation.report import summarize, usable_rows, write_report
+from verispec.evaluation.report import usable_rows, write_report
+from verispec.evaluation.summary import summarize
 from verispec.evaluation.store import read_rows
 from verispec.evaluation.suites import Item, load_suite
 from verispec.evaluation.sweep import run_sweep

@@ -196,7 +196,7 @@ def row(rule: str, problem: str, score: float, seed: int = 0) -> dict:
 def test_level_table_on_constructed_rows(prefix):
     """Gate minus honest is 0 at level 1 and -1/2 at level 2 by construction, so its trend is -1/2 per
     level, and plain's own score falls by 1/2 a level; the same for every graded suite's ids."""
-    from verispec.evaluation.report import baseline_of
+    from verispec.evaluation.summary import baseline_of
 
     gate, honest = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
     assert baseline_of(gate) == honest

@@ -1,20 +1,8 @@
 """The diagnostic report of a sweep: speed, shift and quality of every rule, side by side.
 
-`summarize(rows)` aggregates the results rows per config; `terminal_table` and `write_html` render
-it. Definitions (docs/design.md, section 'Words'): acceptance rate = accepted / proposed draft
-tokens; block efficiency = emitted tokens / target forward passes; speedup = throughput of the config
-/ throughput of plain decoding over the same (prompt, seed) units of the same sweep, run interleaved at
-the same batch size (a row's time is its batch's wall time / batch size; a unit whose plain row was
-decoded at another batch size, as after a resume with another --batch-size, is left out of it).
-Confidence intervals are 95% Student-t intervals over units (sequence KL) or over paired units
-(score differences against the config's baseline: the honest truncation sampler for a truncation
-rule, lossless speculative decoding otherwise, plain decoding for lossless itself). Where every score
-is 0 or 1 (pass@1, exact match) the score's interval is Wilson's (Wilson 1927), the paired
-difference's is Newcombe's square-and-add interval (Newcombe 1998, method 10) and the paired test is
-McNemar's exact test (McNemar 1947: a two-sided binomial test on the discordant pairs); a row is
-flagged WORSE when its paired difference is negative and significant at 5%. Configurations that
-cover different units (a sweep stopped part-way through a chunk) are named in a note: their scores
-are over different problems, and only the paired columns compare like with like.
+`verispec.evaluation.summary.summarize(rows)` aggregates the results rows per config (its docstring
+gives the definitions and intervals); `terminal_table` and `render_html` render it, with the sweep's
+notes (units, speed, load, machines, scores, time-outs, pace).
 """
 
 from __future__ import annotations
@@ -28,12 +16,14 @@ import logging
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
-from statistics import mean, median, stdev
+from statistics import median
 from typing import Sequence
 
 from verispec.evaluation.comparisons import (comparisons_table, length_table, level_table,
                                              loglik_controls_table, look_counts, progress_table, tier_table)
-from verispec.evaluation.stats import parse_sequential, t_quantile
+from verispec.evaluation.stats import (parse_sequential)
+from verispec.evaluation.summary import (baseline_of, batch_size_of, chunk_size_of, finite_values, is_score,
+                                         row_seconds, summarize)
 from verispec.evaluation.rowcheck import row_problem
 from verispec.evaluation.store import (MAX_SETTINGS_BYTES, check_schema, read_regular_file, read_runs,
                                        results_file, run_started, scan_rows)
@@ -41,294 +31,6 @@ from verispec.evaluation.suites import load_suite
 from verispec.evaluation.units import SweepSpec
 from verispec.machine import kind
 from verispec.tables import markdown_table, text_table
-from verispec.rules import honest_baseline, parse
-
-CONF_BINS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001]
-OVER_BINS = [0.0, 1.0, 2.0, 5.0, 20.0, math.inf]
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5% quantile of Student's t with `df` degrees of freedom (`stats.t_quantile`, the one
-    implementation)."""
-    return t_quantile(0.975, df)
-
-
-def t_interval(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% t-interval) of the finite values; half-width NaN for fewer than two.
-    A caller whose values may be infinite decides what that means before calling (see `summarize`)."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return math.nan, math.nan
-    if len(vals) < 2:
-        return vals[0], math.nan
-    return mean(vals), t_quantile_975(len(vals) - 1) * stdev(vals) / math.sqrt(len(vals))
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of a binomial proportion (Wilson 1927); (nan, nan) for n = 0. At 0
-    (n) successes the lower (upper) bound is exactly 0 (1): centre - half cancels there only up to
-    rounding, which put the bound a hair past the proportion (a negative error bar in the plot)."""
-    if n == 0:
-        return math.nan, math.nan
-    phat = successes / n
-    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    low = 0.0 if successes == 0 else max(0.0, centre - half)
-    high = 1.0 if successes == n else min(1.0, centre + half)
-    return min(low, phat), max(high, phat)
-
-
-def mcnemar_exact(better: int, worse: int) -> float:
-    """Two-sided exact McNemar p-value from the discordant pair counts (row passes and its baseline
-    fails: `better`; the other way round: `worse`): a binomial(better + worse, 1/2) test; 1.0 with none.
-    Integer arithmetic to the last division (exactly rounded), so any number of pairs works."""
-    n = better + worse
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1))
-    return min(1.0, 2 * tail / 2**n)
-
-
-def newcombe_paired_interval(both: int, better: int, worse: int, neither: int,
-                             z: float = 1.959964) -> tuple[float, float]:
-    """95% interval of a paired difference of proportions, p(row passes) - p(baseline passes), from the
-    2x2 table of pairs (both pass, only the row, only the baseline, neither): Newcombe's square-and-add
-    interval from the two Wilson intervals and the pairs' (continuity-corrected) phi correlation
-    (Newcombe 1998, Statistics in Medicine 17:2635, method 10). Unlike a t-interval on the 0/+-1
-    differences it has width when no pair is discordant and keeps its coverage with few discordant
-    pairs. (nan, nan) for no pairs."""
-    n = both + better + worse + neither
-    if n == 0:
-        return math.nan, math.nan
-    row, base = (both + better) / n, (both + worse) / n
-    row_lo, row_hi = wilson_interval(both + better, n, z)
-    base_lo, base_hi = wilson_interval(both + worse, n, z)
-    margins = (both + better) * (worse + neither) * (both + worse) * (better + neither)
-    cross = both * neither - better * worse
-    # Newcombe's phi: a positive cross-product is shrunk by n/2 (a continuity correction), down to 0
-    cross = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
-    phi = cross / math.sqrt(margins) if margins else 0.0
-    down = math.sqrt(max(0.0, (row - row_lo) ** 2 - 2 * phi * (row - row_lo) * (base_hi - base)
-                         + (base_hi - base) ** 2))
-    up = math.sqrt(max(0.0, (row_hi - row) ** 2 - 2 * phi * (row_hi - row) * (base - base_lo)
-                       + (base - base_lo) ** 2))
-    return max(-1.0, row - base - down), min(1.0, row - base + up)
-
-
-def paired_table(paired: list[tuple[float, float]]) -> tuple[int, int, int, int]:
-    """The 2x2 table of paired 0/1 scores (a, b): (both 1, only a, only b, neither), the counts
-    McNemar's test and Newcombe's interval take."""
-    both = sum(1 for a, b in paired if a == b == 1)
-    only_a = sum(1 for a, b in paired if a > b)
-    only_b = sum(1 for a, b in paired if a < b)
-    return both, only_a, only_b, len(paired) - both - only_a - only_b
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted values, linearly interpolated between order statistics (numpy's default;
-    an infinite neighbour gives inf); NaN for none."""
-    if not ordered:
-        return math.nan
-    at = q * (len(ordered) - 1)
-    lo, frac = int(at), at - int(at)
-    if frac == 0 or lo + 1 == len(ordered):
-        return ordered[lo]
-    if math.inf in (ordered[lo], ordered[lo + 1]):
-        return math.inf
-    return ordered[lo] + frac * (ordered[lo + 1] - ordered[lo])
-
-
-def _binary(values: list) -> bool:
-    return bool(values) and all(v in (0, 1) for v in values)
-
-
-def baseline_of(config_rule: str) -> str | None:
-    """The config a row's score is compared with: the honest truncation sampler for a truncation rule,
-    plain decoding for lossless, lossless otherwise; None for plain and the honest samplers themselves."""
-    if config_rule == "plain":
-        return None
-    if config_rule == "lossless":
-        return "plain"
-    rule = parse(config_rule)
-    if rule.name == "honest":  # a baseline itself: the sampling the user asked for, compared with nothing
-        return None
-    honest = honest_baseline(rule)
-    return honest.spec if honest is not None else "lossless"
-
-
-def row_seconds(row: dict) -> float:
-    """A row's share of the wall time of the work unit it was decoded in (its own time at batch 1), so
-    tokens / seconds is throughput at that batch size: the unit's seconds over its rows (`chunk_size`;
-    rows written before chunks existed: the batch size, their unit's row count then)."""
-    if "batch_seconds" in row:
-        return float(row["batch_seconds"]) / max(1, _chunk_size(row))
-    return float(row["seconds"])
-
-
-def _batch_size(row: dict) -> int:
-    return int(row.get("batch_size", 1))
-
-
-def _chunk_size(row: dict) -> int:
-    return int(row.get("chunk_size", _batch_size(row)))
-
-
-def is_score(x) -> bool:
-    """A finite number (None, NaN and inf are not)."""
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def _finite(xs) -> list[float]:
-    return [x for x in xs if is_score(x)]
-
-
-def _bins(values: list[float], edges: list[float]) -> list[int]:
-    out = []
-    for v in values:
-        for i in range(len(edges) - 1):
-            if edges[i] <= v < edges[i + 1]:
-                out.append(i)
-                break
-        else:
-            out.append(len(edges) - 2)
-    return out
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """One summary dict per config: plain decoding first (the speed reference), then the others, each
-    in first-seen order (a sweep extended by --reuse-from writes its copied rows first)."""
-    by_config: dict[str, list[dict]] = defaultdict(list)
-    for row in sorted(rows, key=lambda r: r["rule"] != "plain"):  # stable: first-seen order otherwise
-        by_config[row["config"]].append(row)
-    index = {(r["config"], r["prompt_id"], r["seed"]): r for r in rows}
-    config_of = {}  # (rule, k, T, tree shape) -> config id
-    for cid, group in by_config.items():
-        r = group[0]
-        config_of[(r["rule"], r["k"], r["temperature"], r.get("tree"))] = cid
-    out = []
-    for cid, group in by_config.items():
-        r0 = group[0]
-        s: dict = {"config": cid, "rule": r0["rule"], "family": r0["family"], "k": r0["k"],
-                   "temperature": r0["temperature"], "units": len(group), "score_name": r0["score_name"]}
-        proposed = sum(r["proposed"] for r in group)
-        s["acceptance_rate"] = sum(r["accepted"] for r in group) / proposed if proposed else math.nan
-        s["block_efficiency"] = (sum(r["tokens"] for r in group)
-                                 / max(1, sum(r["target_calls"] for r in group)))
-        # drafted tokens (tree nodes) per target call: a chain of k = 6 beside a 6-node tree
-        s["drafted_per_call"] = proposed / max(1, sum(r["target_calls"] for r in group))
-        plain_id = config_of.get(("plain", 0, r0["temperature"], None))
-        pairs = [(r, index.get((plain_id, r["prompt_id"], r["seed"]))) for r in group]
-        # only pairs decoded at the same batch size and chunk: a sweep resumed with another --batch-size
-        # (--chunk) may hold a row at one size and its plain row at another, and throughput grows with
-        # the batch (and with the slots kept full); and only
-        # pairs timed in the same run: a sweep resumed part-way through a chunk timed the chunk's other
-        # configurations in another process (rows record their `run`; rows written before they did
-        # pair as before), and a row copied by --reuse-from was timed beside another sweep's plain row
-        # (a copied row is left out even beside a plain row copied from its own run, by --reuse-plain:
-        # its speedup is the source sweep's, which that sweep's report gives)
-        pairs = [(a, b) for a, b in pairs if b is not None and row_seconds(a) > 0 and row_seconds(b) > 0
-                 and _batch_size(a) == _batch_size(b) and _chunk_size(a) == _chunk_size(b)
-                 and a.get("run") == b.get("run")
-                 and "reused_from" not in a and "reused_from" not in b]
-        s["unpaired"] = (0 if plain_id is None or r0["rule"] == "plain" else
-                         sum(1 for r in group if "reused_from" not in r) - len(pairs))
-        if pairs:
-            mine = sum(a["tokens"] for a, _ in pairs) / sum(row_seconds(a) for a, _ in pairs)
-            plain = sum(b["tokens"] for _, b in pairs) / sum(row_seconds(b) for _, b in pairs)
-            s["speedup"] = mine / plain
-        else:
-            s["speedup"] = math.nan
-        s["tokens_per_second"] = (sum(r["tokens"] for r in group)
-                                  / max(1e-9, sum(row_seconds(r) for r in group)))
-        # the batch sizes a rule's speedup was measured at (none where no row has a plain row timed beside
-        # it); plain's rows pair with themselves (its 1.000), which measures nothing
-        s["speedup_batch_sizes"] = [] if r0["rule"] == "plain" else sorted({_batch_size(a) for a, _ in pairs})
-        s["reused"] = sum(1 for r in group if "reused_from" in r)
-        steps = defaultdict(list)
-        for r in group:
-            for key, values in r.get("steps", {}).items():
-                steps[key].extend(values)
-        n_steps = max(1, len(steps["tv"]))
-        s["tv"] = sum(_finite(steps["tv"])) / n_steps
-        kls = steps["kl"]
-        s["kl"] = math.inf if any(x == math.inf for x in kls) else sum(_finite(kls)) / n_steps
-        tvb = _finite(steps["tv_baseline"])
-        s["tv_baseline"] = sum(tvb) / len(tvb) if tvb else math.nan
-        ratios = sorted(_finite(steps["max_ratio"])
-                        + [math.inf] * sum(1 for x in steps["max_ratio"] if x == math.inf))
-        s["overshoot_p95"] = percentile(ratios, 0.95)
-        s["overshoot_max"] = ratios[-1] if ratios else math.nan
-        s["tail_mass"] = sum(_finite(steps["tail_mass"])) / n_steps
-        s["seq_kl"], s["seq_kl_ci"] = t_interval([r["log_ratio"] for r in group])
-        if any(r["log_ratio"] == math.inf for r in group):  # a token the target gives probability 0
-            s["seq_kl"], s["seq_kl_ci"] = math.inf, math.nan
-        tokens = sum(r["tokens"] for r in group)
-        s["seq_kl_per_token"] = sum(r["log_ratio"] for r in group) / tokens if tokens else math.nan
-        s["target_nll"] = mean(_finite([r["target_nll"] for r in group]) or [math.nan])
-        scores = [r["score"] for r in group if is_score(r["score"])]
-        s["scored"] = len(scores)  # rows with a finite score (`score_notes` names the others)
-        s["score"], s["score_ci"] = t_interval(scores)
-        s["binary_score"] = _binary(scores)
-        s["score_interval"] = (wilson_interval(int(sum(scores)), len(scores)) if s["binary_score"] else
-                               (s["score"] - s["score_ci"], s["score"] + s["score_ci"]))
-        base_rule = baseline_of(r0["rule"]) if not r0.get("tree") else "plain"  # tree rows: the target's own
-        base_id = config_of.get((base_rule, 0 if base_rule == "plain" else r0["k"], r0["temperature"], None))
-        s["baseline"] = base_id
-        paired = []  # (row's score, baseline's score) on the same (prompt, seed)
-        if base_id:
-            for r in group:
-                b = index.get((base_id, r["prompt_id"], r["seed"]))
-                if b is not None and is_score(r["score"]) and is_score(b["score"]):
-                    paired.append((r["score"], b["score"]))
-        s["score_diff"], s["score_diff_ci"] = t_interval([a - b for a, b in paired])
-        diff, half = s["score_diff"], s["score_diff_ci"]
-        s["score_diff_interval"] = (diff - half, diff + half)
-        s["paired_units"] = len(paired)
-        if paired and _binary([v for pair in paired for v in pair]):
-            both, better, worse_count, neither = paired_table(paired)
-            s["discordant"] = (better, worse_count)
-            s["p_value"] = mcnemar_exact(better, worse_count)
-            s["score_diff_interval"] = newcombe_paired_interval(both, better, worse_count, neither)
-            worse = s["score_diff"] < 0 and s["p_value"] < 0.05
-        else:
-            s["discordant"], s["p_value"] = None, math.nan
-            worse = s["score_diff"] + s["score_diff_ci"] < 0 if math.isfinite(s["score_diff_ci"]) else False
-        s["flag"] = "WORSE" if worse else ""
-        # robustness across prompts
-        per_prompt = defaultdict(list)
-        for r in group:
-            per_prompt[r["prompt_id"]].append(r["mean_tv"])
-        prompt_tv = {p: mean(v) for p, v in per_prompt.items()}
-        s["prompt_tv_spread"] = stdev(prompt_tv.values()) if len(prompt_tv) > 1 else 0.0
-        s["prompt_tv_max"] = max(prompt_tv.values()) if prompt_tv else math.nan
-        s["worst_prompts"] = sorted(prompt_tv, key=prompt_tv.get, reverse=True)[:3]
-        # where fidelity is lost: bins of draft confidence and of the accepted token's overshoot q/p
-        roles = steps["role"]
-        decided = [i for i, role in enumerate(roles) if role in ("accepted", "recovered")]
-        conf = [steps["draft_confidence"][i] for i in decided]
-        s["by_confidence"] = []
-        conf_bins = _bins(conf, CONF_BINS)  # once, not once per bin
-        for b, (lo, hi) in enumerate(zip(CONF_BINS, CONF_BINS[1:])):
-            idx = [i for i, bi in zip(decided, conf_bins) if bi == b]
-            s["by_confidence"].append({
-                "bin": f"{lo:.1f}-{min(hi, 1):.1f}", "positions": len(idx),
-                "acceptance": sum(roles[i] == "accepted" for i in idx) / len(idx) if idx else math.nan,
-                "tv": mean(steps["tv"][i] for i in idx) if idx else math.nan,
-            })
-        acc = [i for i, role in enumerate(roles) if role == "accepted"]
-        over = [steps["draft_over_target"][i] for i in acc]
-        s["by_overshoot"] = []
-        over_bins = _bins(over, OVER_BINS)
-        for b, (lo, hi) in enumerate(zip(OVER_BINS, OVER_BINS[1:])):
-            idx = [i for i, bi in zip(acc, over_bins) if bi == b]
-            s["by_overshoot"].append({
-                "bin": f"{lo:g}-{hi:g}", "accepted": len(idx),
-                "share": len(idx) / len(acc) if acc else math.nan,
-                "tv": mean(steps["tv"][i] for i in idx) if idx else math.nan,
-            })
-        s["accepted_overshoot"] = over
-        out.append(s)
-    return out
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -539,7 +241,8 @@ def plots(summary: list[dict]) -> dict[str, str]:
     out["quality_vs_speed"] = _png(fig)
 
     fig, ax = plt.subplots(figsize=(7, 0.45 * max(4, len(rows)) + 1))
-    data = [[math.log10(max(v, 1e-12)) for v in _finite(s["accepted_overshoot"])] or [0.0] for s in rows]
+    data = [[math.log10(max(v, 1e-12)) for v in finite_values(s["accepted_overshoot"])] or [0.0]
+            for s in rows]
     if rows:
         ax.boxplot(data, orientation="horizontal",
                    tick_labels=[s["config"].replace(",resample=target", "") for s in rows],
@@ -731,7 +434,7 @@ def load_notes(rows: list[dict]) -> list[str]:
     chunks: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         if "reused_from" not in row and "batch_seconds" in row and row_seconds(row) > 0:
-            chunks[(row["config"], _batch_size(row), _chunk_size(row), row.get("run"),
+            chunks[(row["config"], batch_size_of(row), chunk_size_of(row), row.get("run"),
                     row["batch_seconds"])].append(row)
     by_setting: dict[tuple, list[tuple[float, float, list[dict]]]] = defaultdict(list)
     for key, group in chunks.items():

@@ -1,6 +1,7 @@
-"""Statistics of planned comparisons: Holm's correction, group-sequential thresholds, a paired test
-clustered by problem, and the minimum detectable effect. Pure functions (docs/design.md, 'Planned
-comparisons').
+"""Statistics of the reports and planned comparisons: intervals (Student's t, Wilson's, Newcombe's paired
+one), McNemar's exact test, Holm's correction, group-sequential thresholds, a paired test clustered by
+problem, and the minimum detectable effect. Pure functions (docs/design.md, 'Planned comparisons';
+`verispec.evaluation.summary` applies them to a sweep's rows).
 
 The paired test is the cluster-robust paired t-test on cluster means: each problem's difference
 (row minus baseline) is averaged over its seeds, and the mean of those per-problem differences is
@@ -304,3 +305,94 @@ def clustered_mean(points: Sequence[tuple[str, float]], level: float = 0.95) -> 
     for cluster, v in points:
         score[cluster] += v - est
     return _t_estimate(est, math.sqrt(g / (g - 1) * sum(s * s for s in score.values())) / n, g, n, level)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (`stats.t_quantile`, the one
+    implementation)."""
+    return t_quantile(0.975, df)
+
+
+def t_interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval) of the finite values; half-width NaN for fewer than two.
+    A caller whose values may be infinite decides what that means before calling (see `summarize`)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan
+    if len(vals) < 2:
+        return vals[0], math.nan
+    return mean(vals), t_quantile_975(len(vals) - 1) * stdev(vals) / math.sqrt(len(vals))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial proportion (Wilson 1927); (nan, nan) for n = 0. At 0
+    (n) successes the lower (upper) bound is exactly 0 (1): centre - half cancels there only up to
+    rounding, which put the bound a hair past the proportion (a negative error bar in the plot)."""
+    if n == 0:
+        return math.nan, math.nan
+    phat = successes / n
+    centre = (phat + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return min(low, phat), max(high, phat)
+
+
+def mcnemar_exact(better: int, worse: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant pair counts (row passes and its baseline
+    fails: `better`; the other way round: `worse`): a binomial(better + worse, 1/2) test; 1.0 with none.
+    Integer arithmetic to the last division (exactly rounded), so any number of pairs works."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def newcombe_paired_interval(both: int, better: int, worse: int, neither: int,
+                             z: float = 1.959964) -> tuple[float, float]:
+    """95% interval of a paired difference of proportions, p(row passes) - p(baseline passes), from the
+    2x2 table of pairs (both pass, only the row, only the baseline, neither): Newcombe's square-and-add
+    interval from the two Wilson intervals and the pairs' (continuity-corrected) phi correlation
+    (Newcombe 1998, Statistics in Medicine 17:2635, method 10). Unlike a t-interval on the 0/+-1
+    differences it has width when no pair is discordant and keeps its coverage with few discordant
+    pairs. (nan, nan) for no pairs."""
+    n = both + better + worse + neither
+    if n == 0:
+        return math.nan, math.nan
+    row, base = (both + better) / n, (both + worse) / n
+    row_lo, row_hi = wilson_interval(both + better, n, z)
+    base_lo, base_hi = wilson_interval(both + worse, n, z)
+    margins = (both + better) * (worse + neither) * (both + worse) * (better + neither)
+    cross = both * neither - better * worse
+    # Newcombe's phi: a positive cross-product is shrunk by n/2 (a continuity correction), down to 0
+    cross = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
+    phi = cross / math.sqrt(margins) if margins else 0.0
+    down = math.sqrt(max(0.0, (row - row_lo) ** 2 - 2 * phi * (row - row_lo) * (base_hi - base)
+                         + (base_hi - base) ** 2))
+    up = math.sqrt(max(0.0, (row_hi - row) ** 2 - 2 * phi * (row_hi - row) * (base - base_lo)
+                       + (base - base_lo) ** 2))
+    return max(-1.0, row - base - down), min(1.0, row - base + up)
+
+
+def paired_table(paired: list[tuple[float, float]]) -> tuple[int, int, int, int]:
+    """The 2x2 table of paired 0/1 scores (a, b): (both 1, only a, only b, neither), the counts
+    McNemar's test and Newcombe's interval take."""
+    both = sum(1 for a, b in paired if a == b == 1)
+    only_a = sum(1 for a, b in paired if a > b)
+    only_b = sum(1 for a, b in paired if a < b)
+    return both, only_a, only_b, len(paired) - both - only_a - only_b
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linearly interpolated between order statistics (numpy's default;
+    an infinite neighbour gives inf); NaN for none."""
+    if not ordered:
+        return math.nan
+    at = q * (len(ordered) - 1)
+    lo, frac = int(at), at - int(at)
+    if frac == 0 or lo + 1 == len(ordered):
+        return ordered[lo]
+    if math.inf in (ordered[lo], ordered[lo + 1]):
+        return math.inf
+    return ordered[lo] + frac * (ordered[lo + 1] - ordered[lo])

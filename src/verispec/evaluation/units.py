@@ -282,7 +282,7 @@ def decode_rows(spec: SweepSpec, suite: Suite, target, drafter, prompts, members
     (continuous batching, `decode.decode_prompts`); None: all members at once (a static batch). Each
     row records `batch_size` (rows decoding at once: the slots, or fewer members), `chunk_size` (the
     unit's rows) and `batch_seconds` (the unit's wall time), so its share of the time is
-    batch_seconds / chunk_size (`report.row_seconds`)."""
+    batch_seconds / chunk_size (`summary.row_seconds`)."""
     began = time.perf_counter()
     stop_check = suite.stop(target.decode) if suite.stop is not None else None
     generations = _decode(target, drafter, prompts, members, config, max_new, stop_check, slots)
