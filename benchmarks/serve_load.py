@@ -20,6 +20,11 @@ server sent requests at eight different temperatures (0.3 to 1.0; the other mode
 each request's rows keep their own settings in one batch, so its throughput beside `lossless` shows
 what mixed sampling settings cost. `--target/--draft` serve another pair (e.g. the int4 Qwen pair).
 
+`--long-prompt N` adds, per mode, the short load at `--long-prompt-concurrency` (default 4) measured alone
+and then beside one request whose prompt is N tokens (started a second before, cancelled after): the
+ratio of the short requests' p50 latency with and without it shows whether a long prefill holds the
+others up (`--prefill-chunk`, docs/serving.md).
+
 `--ray-replicas N ...` adds, per N, the lossless mode served by `verispec serve --ray --replicas N` (a
 local Ray instance that the server process starts and stops; each replica has its own models, engine and
 1 CPU, so one torch thread), beside the local server, so the table compares them at the same concurrency
@@ -117,6 +122,26 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int, mixe
             "tokens_per_target_call": sum(v["tokens"] for v in vers) / sum(v["target_calls"] for v in vers)}
 
 
+async def beside_long_prompt(url: str, concurrency: int, requests: int, max_tokens: int,
+                             long_tokens: int) -> tuple[dict, bool]:
+    """The short load while one request with a `long_tokens`-token prompt is being served (cancelled once
+    the load is done); and whether it was still running when the load ended."""
+    async with httpx.AsyncClient(timeout=3600) as client:
+        text = " ".join(PROMPTS) * (long_tokens // 20 + 1)
+        tokens = (await client.post(url + "/tokenize", json={"prompt": text})).json()["tokens"][:long_tokens]
+        long = asyncio.create_task(client.post(url + "/v1/completions",
+                                               json={"prompt": tokens, "max_tokens": 1, "seed": 0}))
+        await asyncio.sleep(1.0)
+        out = await level(url, concurrency, requests, max_tokens)
+        still = not long.done()
+        long.cancel()
+        try:
+            await long
+        except (asyncio.CancelledError, httpx.HTTPError):
+            pass
+    return out, still
+
+
 def report_overhead(n: int = 16, max_tokens: int = 64) -> dict:
     """In process: the time to build the report (`Generation.stats()`) and the diagnostics' time, as
     fractions of decode time, over n generations of the default pair."""
@@ -149,6 +174,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help="per level (default: max(4, concurrency))")
     parser.add_argument("--modes", nargs="+", default=["lossless", "plain", "lossless-nodiag"])
+    parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                        help="also measure the short load beside one request with a prompt this long")
+    parser.add_argument("--long-prompt-concurrency", type=int, default=4)
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default="default-draft")
     parser.add_argument("--ray-replicas", nargs="*", type=int, default=[],
@@ -163,7 +191,7 @@ def main() -> None:
     envs = {"lossless-1thread": {"OMP_NUM_THREADS": "1"}}
     for n in args.ray_replicas:
         modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
-    rows = []
+    rows, longs = [], []
     for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]:
         proc, url = start_server(modes[mode], wait=600, env=envs.get(mode))  # a large pair loads in minutes
         try:
@@ -176,6 +204,14 @@ def main() -> None:
                 row = {"mode": mode, **asyncio.run(level(url, c, n, args.max_tokens, mixed))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if args.long_prompt:
+                c = args.long_prompt_concurrency
+                n = args.requests or max(4, c)
+                alone = asyncio.run(level(url, c, n, args.max_tokens))
+                beside, still = asyncio.run(beside_long_prompt(url, c, n, args.max_tokens, args.long_prompt))
+                longs.append({"mode": mode, "concurrency": c, "p50_alone": alone["p50_latency"],
+                              "p50_beside": beside["p50_latency"], "long_still_running": still})
+                print(json.dumps(longs[-1]), flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -191,6 +227,11 @@ def main() -> None:
         if r["mode"] in ("lossless", "lossless-auto") and r["concurrency"] in plain:
             print(f"{r['mode']} / plain at concurrency {r['concurrency']}: "
                   f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x")
+    for r in longs:
+        print(f"{r['mode']}: p50 latency of short requests at concurrency {r['concurrency']} beside a "
+              f"{args.long_prompt}-token prompt / alone: {r['p50_beside'] / r['p50_alone']:.2f}x "
+              f"({r['p50_beside']:.2f} s / {r['p50_alone']:.2f} s; the long prompt "
+              f"{'still' if r['long_still_running'] else 'no longer'} running at the end)")
     single = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "lossless"}
     for r in rows:
         if r["mode"] == "lossless-mixed" and r["concurrency"] in single:

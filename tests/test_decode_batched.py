@@ -235,6 +235,39 @@ def test_chunked_prefill_interleaves_and_changes_no_token(spec):
         assert_same(done[rows[i]], single)
 
 
+def test_paced_prefill_starts_at_a_granule_beside_decoding_rows_and_runs_full_chunks_alone():
+    """`prefill_paced`: beside a decoding row, the first step feeds PREFILL_GRANULE prompt tokens (no pace
+    measured yet), later steps as many as the last block's seconds buy (within the granule and the
+    chunk); with nothing else decoding, whole chunks. The tokens are still those of the rows alone."""
+    from verispec.decode import PREFILL_GRANULE
+
+    target, draft = toy_pair()
+    rng = np.random.default_rng(5)
+    long, short = rng.integers(0, V - 1, 200).tolist(), [1, 2]
+    paced = DecodeConfig(k=2, max_new_tokens=40, stop_at_eos=False, prefill_chunk=64, prefill_paced=True)
+    dec = BatchDecoder(target, ModelDrafter(draft), "lossless", paced)
+    s_row, l_row = dec.add(short, seeded(1), paced), dec.add(long, seeded(2), paced)
+    dec.step()
+    fed = [dec._rows[l_row].fed]
+    while dec.prefilling(l_row):
+        dec.step()
+        fed.append(dec._rows[l_row].fed)
+    assert fed[0] == PREFILL_GRANULE
+    steps = [b - a for a, b in zip([0, *fed], fed)]
+    assert all(PREFILL_GRANULE <= n <= 64 for n in steps[:-1])
+    done = {}
+    while dec.active:
+        done.update(dict(dec.step()))
+    for row, prompt, seed in ((s_row, short, 1), (l_row, long, 2)):
+        alone = speculative_decode(target, ModelDrafter(draft), prompt, "lossless",
+                                   DecodeConfig(k=2, max_new_tokens=40, stop_at_eos=False), seeded(seed))
+        assert done[row].token_ids == alone.token_ids
+    lone = BatchDecoder(target, ModelDrafter(draft), "lossless", paced)
+    row = lone.add(long, seeded(2), paced)
+    lone.step()
+    assert lone._rows[row].fed == 64  # nothing else decoding: a whole chunk
+
+
 def test_long_and_short_prompts_and_eos_first():
     """Prompts of 1 and ~1000 tokens in one batch; a row whose first token is EOS."""
     target, draft = toy_pair()

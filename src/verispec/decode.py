@@ -40,6 +40,8 @@ from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, ref
 from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
 
 
+PREFILL_GRANULE = 16  # the fewest prompt tokens a paced prefill step feeds (`DecodeConfig.prefill_paced`)
+
 @dataclass(frozen=True)
 class DecodeConfig:
     k: int = 4
@@ -64,6 +66,11 @@ class DecodeConfig:
     # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
     # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
     prefill_chunk: int | None = None
+    # with rows decoding beside it, a step's prefill lasts about as long as their block (at most
+    # prefill_chunk tokens, as many as the last block's seconds buy at the last chunk's pace, at least
+    # PREFILL_GRANULE): their latency at most doubles while a long prompt is fed. Chunk sizes then follow
+    # measured times, so a long prompt's logits can differ from run to run by float rounding.
+    prefill_paced: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, str):
@@ -506,6 +513,8 @@ class BatchDecoder:
             drafter.start_batch()
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
+        self._prefill_pace: float | None = None  # seconds per prompt token of the last prefill pass
+        self._block_seconds: float | None = None  # wall seconds of the last block of decoding rows
 
     @property
     def active(self) -> list[int]:
@@ -554,7 +563,13 @@ class BatchDecoder:
         waiting = sorted((r.to_feed - r.fed, i) for i, r in self._rows.items() if r.fed < r.to_feed)
         if not waiting:
             return
-        budget = self._rows[waiting[0][1]].config.prefill_chunk
+        config = self._rows[waiting[0][1]].config
+        budget = config.prefill_chunk
+        decoding = len(waiting) < len(self._rows)
+        if config.prefill_paced and decoding:  # as long as the others' last block, at the last pace
+            pace, block = self._prefill_pace, self._block_seconds
+            fits = PREFILL_GRANULE if pace is None or block is None else int(block / pace)
+            budget = max(PREFILL_GRANULE, min(budget, fits))
         for left, row in waiting:
             if budget <= 0:
                 break
@@ -572,7 +587,9 @@ class BatchDecoder:
         if prefill is not None:
             prefill(row, r.prompt[:end])
         r.fed = end
-        r.target_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        r.target_seconds += seconds
+        self._prefill_pace = seconds / count  # seconds per prompt token, at this depth of the context
 
     def tokens(self, row: int) -> list[int]:
         """The token ids a row has committed so far (its prompt excluded), e.g. for streaming."""
@@ -596,10 +613,12 @@ class BatchDecoder:
         if not ids:
             return []
         rows = [self._rows[i] for i in ids]
+        start = time.perf_counter()
         if self._trees is not None:
             ends = self._tree_step(ids, rows)
         else:
             ends = self._plain_step(ids, rows) if self.plain else self._speculative_step(ids, rows)
+        self._block_seconds = time.perf_counter() - start
         return [(row, self._finish(row, how)) for row, how in ends]
 
     # -- one block -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from verispec import defaults
 from verispec.api import parse_draft_shape
+from verispec.logprobs import MODES
 from verispec.rules import Rule
 from verispec.tree_decode import shape_nodes, tree_verification_rule
 from verispec.trees import DraftShape, DynamicTree
@@ -111,8 +112,6 @@ class ServeConfig:
         t = self.body_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"--body-timeout must be a number of seconds > 0, got {t!r}")
-        from verispec.logprobs import MODES
-
         if self.logprobs_mode not in MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(MODES)}, got {self.logprobs_mode!r}")
         if self.metrics_names not in ("verispec", "vllm"):

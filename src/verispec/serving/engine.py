@@ -307,7 +307,7 @@ class Engine:
                                   keep_probs=p.logprobs is not None and (  # rows: top and the logits
                                       p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
                                   tree=p.tree, policy=self.policy if p.adaptive else None,
-                                  prefill_chunk=self.config.prefill_chunk or None)
+                                  prefill_chunk=self.config.prefill_chunk or None, prefill_paced=True)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
         except ValueError as err:
             self.running -= 1
