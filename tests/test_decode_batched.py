@@ -235,11 +235,11 @@ def test_chunked_prefill_interleaves_and_changes_no_token(spec):
         assert_same(done[rows[i]], single)
 
 
-def test_paced_prefill_starts_at_a_granule_beside_decoding_rows_and_runs_full_chunks_alone():
-    """`prefill_paced`: beside a decoding row, the first step feeds PREFILL_GRANULE prompt tokens (no pace
-    measured yet), later steps as many as the last block's seconds buy (within the granule and the
-    chunk); with nothing else decoding, whole chunks. The tokens are still those of the rows alone."""
-    from verispec.decode import PREFILL_GRANULE
+def test_paced_prefill_is_sized_by_time_beside_decoding_rows_and_runs_full_chunks_alone():
+    """`prefill_paced`: beside a decoding row, the first step feeds PREFILL_START prompt tokens, later
+    steps grow or shrink with the measured times (1 to the chunk); with nothing else decoding, whole
+    chunks. The tokens are still those of the rows alone."""
+    from verispec.decode import PREFILL_START
 
     target, draft = toy_pair()
     rng = np.random.default_rng(5)
@@ -252,9 +252,9 @@ def test_paced_prefill_starts_at_a_granule_beside_decoding_rows_and_runs_full_ch
     while dec.prefilling(l_row):
         dec.step()
         fed.append(dec._rows[l_row].fed)
-    assert fed[0] == PREFILL_GRANULE
+    assert fed[0] == PREFILL_START
     steps = [b - a for a, b in zip([0, *fed], fed)]
-    assert all(PREFILL_GRANULE <= n <= 64 for n in steps[:-1])
+    assert all(1 <= n <= 64 for n in steps) and len(set(steps)) > 1  # sized step by step
     done = {}
     while dec.active:
         done.update(dict(dec.step()))

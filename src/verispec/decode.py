@@ -40,7 +40,7 @@ from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, ref
 from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
 
 
-PREFILL_GRANULE = 16  # the fewest prompt tokens a paced prefill step feeds (`DecodeConfig.prefill_paced`)
+PREFILL_START = 4  # the prompt tokens of a paced prefill's first step (`DecodeConfig.prefill_paced`)
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -66,10 +66,11 @@ class DecodeConfig:
     # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
     # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
     prefill_chunk: int | None = None
-    # with rows decoding beside it, a step's prefill lasts about as long as their block (at most
-    # prefill_chunk tokens, as many as the last block's seconds buy at the last chunk's pace, at least
-    # PREFILL_GRANULE): their latency at most doubles while a long prompt is fed. Chunk sizes then follow
-    # measured times, so a long prompt's logits can differ from run to run by float rounding.
+    # with rows decoding beside it, a step's prefill lasts about as long as their block, so their latency
+    # at most about doubles while a long prompt is fed: from PREFILL_START tokens, a step feeds half as
+    # many more again after a step that took no longer than the others' block, and scales down by the
+    # overrun after one that took longer (at least 1 token, at most prefill_chunk). Chunk sizes then
+    # follow measured times, so a long prompt's logits can differ from run to run by float rounding.
     prefill_paced: bool = False
 
     def __post_init__(self) -> None:
@@ -513,7 +514,7 @@ class BatchDecoder:
             drafter.start_batch()
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
-        self._prefill_pace: float | None = None  # seconds per prompt token of the last prefill pass
+        self._paced: tuple[int, float] | None = None  # last paced prefill step: (tokens, seconds)
         self._block_seconds: float | None = None  # wall seconds of the last block of decoding rows
 
     @property
@@ -566,15 +567,23 @@ class BatchDecoder:
         config = self._rows[waiting[0][1]].config
         budget = config.prefill_chunk
         decoding = len(waiting) < len(self._rows)
-        if config.prefill_paced and decoding:  # as long as the others' last block, at the last pace
-            pace, block = self._prefill_pace, self._block_seconds
-            fits = PREFILL_GRANULE if pace is None or block is None else int(block / pace)
-            budget = max(PREFILL_GRANULE, min(budget, fits))
+        paced = config.prefill_paced and decoding
+        if paced:  # about as long as the others' last block
+            if self._paced is None or self._block_seconds is None:
+                size = PREFILL_START
+            else:
+                tokens, seconds = self._paced
+                size = (tokens + max(1, tokens // 2) if seconds <= self._block_seconds else
+                        int(tokens * self._block_seconds / seconds))
+            budget = max(1, min(budget, size))
+        start, fed = time.perf_counter(), 0
         for left, row in waiting:
             if budget <= 0:
                 break
             self._prefill(row, min(left, budget))
+            fed += min(left, budget)
             budget -= min(left, budget)
+        self._paced = (fed, time.perf_counter() - start) if paced else None
 
     def _prefill(self, row: int, count: int) -> None:
         """Feed the next `count` tokens of a row's prompt to the target's cache and the drafter's (one
@@ -587,9 +596,7 @@ class BatchDecoder:
         if prefill is not None:
             prefill(row, r.prompt[:end])
         r.fed = end
-        seconds = time.perf_counter() - start
-        r.target_seconds += seconds
-        self._prefill_pace = seconds / count  # seconds per prompt token, at this depth of the context
+        r.target_seconds += time.perf_counter() - start
 
     def tokens(self, row: int) -> list[int]:
         """The token ids a row has committed so far (its prompt excluded), e.g. for streaming."""
