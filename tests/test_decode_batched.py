@@ -168,6 +168,32 @@ def test_rows_with_different_sampling_settings_batched_equal_each_alone(spec):
             assert all(torch.equal(x, y) for x, y in zip(done[i].probs[key], single.probs[key])), (i, key)
 
 
+def test_rows_with_different_rules_batched_equal_each_alone():
+    """One chain decoder, each row verified by its own rule (the server batches requests of different
+    rules so), with its own sampling settings too: every row gives exactly what it gives alone, its
+    report names its rule, and a row rule is refused where every row shares the decoder's."""
+    target, draft = toy_pair()
+    specs = ["lossless", "lenience:l=0.5", "speccascade:min_p=0.3", "budget:tv=0.05,ratio=2", "lossless"]
+    ps = prompts(len(specs), seed=11)
+    dec = BatchDecoder(target, ModelDrafter(draft), "lossless", DecodeConfig(k=3))
+    rows = {}
+    for i, (prompt, spec) in enumerate(zip(ps, specs)):
+        config = DecodeConfig(k=3, max_new_tokens=12, sampling=MIXED[i])
+        rows[dec.add(prompt, seeded(70 + i), config, rule=spec)] = i
+    done = {}
+    while dec.active:
+        done.update({rows[row]: gen for row, gen in dec.step()})
+    for i, spec in enumerate(specs):
+        config = DecodeConfig(k=3, max_new_tokens=12, sampling=MIXED[i])
+        single = speculative_decode(target, ModelDrafter(draft), ps[i], spec, config, seeded(70 + i))
+        assert_same(done[i], single)
+        assert done[i].rule_spec == parse(spec).spec
+    with pytest.raises(ValueError, match="speculative chain decoder"):
+        BatchDecoder(target).add([1], seeded(0), rule="lenience:l=0.5")
+    with pytest.raises(ValueError, match="tree rule"):
+        dec.add([1], seeded(0), rule="traversal")
+
+
 def test_continuous_batching_rows_join_and_leave():
     """Rows added between blocks, with their own max_new_tokens, and a cancelled row: every finished row
     equals its batch-1 run; a cancelled row's partial output is a prefix of its batch-1 run."""

@@ -232,9 +232,12 @@ def test_concurrent_requests_equal_alone(srv):
     print(f"concurrent vs alone: {32 - len(differ)}/32 identical")
 
 
+RULES = [LOSSY, "lossless", "lenience:l=0.5", LOSSY, "typical:eps=0.09,alpha=0.3", "lossless"]
+
+
 @pytest.mark.slow
-def test_requests_with_different_sampling_settings_share_one_decoder(srv):
-    """Six concurrent requests of one rule, each with its own temperature / top-k / top-p / min-p: they
+def test_requests_with_different_rules_and_sampling_settings_share_one_decoder(srv):
+    """Six concurrent requests, each with its own rule and temperature / top-k / top-p / min-p: they
     decode as rows of one BatchDecoder (seen while they run), and each equals the request alone."""
     settings = [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.7, top_k=20),
                 dict(temperature=1.2, top_p=0.8), dict(temperature=0.9, min_p=0.1), dict(temperature=0.5)]
@@ -247,7 +250,7 @@ def test_requests_with_different_sampling_settings_share_one_decoder(srv):
             time.sleep(0.002)
 
     def send(i):
-        extra = {"verification": {"rule": LOSSY},
+        extra = {"verification": {"rule": RULES[i]},
                  **{k: v for k, v in settings[i].items() if k != "temperature"}}
         return srv.client.completions.create(model="default", prompt=PROMPT, max_tokens=24, seed=300 + i,
                                              temperature=settings[i]["temperature"], extra_body=extra)
@@ -263,8 +266,9 @@ def test_requests_with_different_sampling_settings_share_one_decoder(srv):
     assert widest[0] >= 3  # rows of different settings decoded together
     same = 0
     for i, r in enumerate(responses):
-        local, _ = local_generate(PROMPT, LOSSY, 300 + i, 24, **settings[i])
+        local, _ = local_generate(PROMPT, RULES[i], 300 + i, 24, **settings[i])
         same += r.model_extra["token_ids"] == local.token_ids
+        assert r.model_extra["verification"]["rule"] == parse(RULES[i]).spec
     assert same >= len(settings) - 1  # batched passes round apart from batch 1 (~1e-6): rare flips
 
 

@@ -164,7 +164,20 @@ def test_vllm_metric_names_for_existing_dashboards():
                      "vllm:spec_decode_num_draft_tokens_total", "vllm:generation_tokens_total"):
             assert f'{name}{{model_name="default"' in text, name
         assert 'vllm:e2e_request_latency_seconds_count{model_name="default"}' in text
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):  # vLLM's dashboard panels
+            assert f'{gauge}{{model_name="default"}}' in text, gauge
         assert "verispec:" not in text
+        # the dashboard's draft acceptance rate: accepted / draft tokens, summed over the model's series
+        from prometheus_client.parser import text_string_to_metric_families
+
+        sums = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("model_name") == "default":
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        ver = out.json()["verification"]
+        assert sums["vllm:spec_decode_num_accepted_tokens_total"] == ver["accepted_tokens"]
+        assert sums["vllm:spec_decode_num_draft_tokens_total"] == ver["drafted_tokens"] > 0
     finally:
         running.close()
     with pytest.raises(ValueError, match="--metrics-names"):

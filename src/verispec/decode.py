@@ -433,6 +433,7 @@ class _Row:
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
     acceptance: RowAcceptance | None = None  # in a decoder with an adaptive policy
+    rule: Rule | None = None  # the rule that verifies the row's blocks (the decoder's unless given)
     fed: int = 0  # prompt tokens already in the caches by chunked prefill (`DecodeConfig.prefill_chunk`)
     to_feed: int = 0  # prompt tokens chunked prefill feeds before the row's first block (0: none)
     adaptive: bool = False  # its k chosen by the policy (else its config's k)
@@ -456,6 +457,27 @@ class _Row:
                 if end < self.new + keep or finish != "eos":
                     keep, finish = end - self.new, "stop"
         return keep, finish
+
+
+def _verify_rows(rules: list[Rule], p: Tensor, q: Tensor, drafts: Tensor,
+                 uniforms: Tensor) -> tuple[list[int], list[list[int]]]:
+    """(accepted drafts per row, each row's tokens [K+1] as lists) for rows that each have their own
+    rule: one `verify_with_uniforms` call per rule over its rows (p [B, K+1, V], q [B, K, V], drafts and
+    uniforms [B, K(+1)])."""
+    if all(rule.spec == rules[0].spec for rule in rules):
+        result = rules[0].verify_with_uniforms(p, q, drafts, uniforms, validate=False)
+        return result.num_accepted.tolist(), result.tokens.tolist()
+    accepted, tokens = [0] * len(rules), [[]] * len(rules)
+    groups: dict[str, list[int]] = {}
+    for i, rule in enumerate(rules):
+        groups.setdefault(rule.spec, []).append(i)
+    for rows in groups.values():
+        index = torch.tensor(rows)
+        result = rules[rows[0]].verify_with_uniforms(p[index], q[index], drafts[index], uniforms[index],
+                                                     validate=False)  # [b, K+1, V] ... of the group's rows
+        for j, i in enumerate(rows):
+            accepted[i], tokens[i] = int(result.num_accepted[j]), result.tokens[j].tolist()
+    return accepted, tokens
 
 
 class BatchDecoder:
@@ -523,10 +545,17 @@ class BatchDecoder:
         return list(self._rows)
 
     def add(self, prompt_ids, generator: torch.Generator | None = None,
-            config: DecodeConfig | None = None) -> int:
+            config: DecodeConfig | None = None, rule: Rule | str | None = None) -> int:
         """A new row (joins at the next `step`); returns its id. `config` overrides the decoder's
-        per-row settings (in tree mode its sampling must be the decoder's)."""
+        per-row settings (in tree mode its sampling must be the decoder's); `rule`, the decoder's rule
+        for this row (chain drafts: each row is verified by its own rule)."""
         config = config or self.config
+        if rule is not None:
+            if self._trees is not None or self.plain:
+                raise ValueError("a row's own rule needs a speculative chain decoder (plain and tree "
+                                 "decoders verify every row by the decoder's rule)")
+            refuse_tree_rule(rule)
+            rule = parse(rule) if isinstance(rule, str) else rule
         if config.sampling != self.config.sampling and self._trees is not None:
             raise ValueError("every row of a tree-mode BatchDecoder uses the decoder's sampling settings "
                              f"({self.config.sampling}), got {config.sampling}")
@@ -544,7 +573,8 @@ class BatchDecoder:
         self._next_id += 1
         stops = stop_ids(self.target) if config.stop_at_eos else frozenset()
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
-                               record=_Recorder(self.rule, config), start=time.perf_counter(),
+                               record=_Recorder(rule or self.rule, config), start=time.perf_counter(),
+                               rule=rule or self.rule,
                                acceptance=None if self.config.policy is None else RowAcceptance(),
                                adaptive=config.policy is not None)
         chunk = config.prefill_chunk
@@ -668,16 +698,16 @@ class BatchDecoder:
         # each row's verification draws: k_i + 1 uniforms from its own generator
         draws = [torch.rand(kk + 1, generator=g, dtype=torch.float64) for g, kk in zip(generators, kks)]
         uniforms = _pad_rows(torch.cat(draws), lengths, k_max + 1)  # [B, K+1]
-        # p and q come from `process` (validated logits, exact distributions): skip re-validation
-        result = rule.verify_with_uniforms(p, q, drafts, uniforms, validate=False)
-        num_accepted, token_lists = result.num_accepted.tolist(), result.tokens.tolist()
+        # p and q come from `process` (validated logits, exact distributions): skip re-validation; each
+        # row by its own rule (rows sharing a rule in one call: the rules' maths is row by row)
+        num_accepted, token_lists = _verify_rows([r.rule for r in rows], p, q, drafts, uniforms)
         p_rows = p_flat.split(lengths)  # per row [kk+1, V]
         ends = []
         for i, (row_id, r) in enumerate(zip(ids, rows)):
             kk, n = kks[i], num_accepted[i]
             keep, finish = r.cut(token_lists[i][: n + 1])
             roles = ["accepted"] * n + ["bonus" if n == kk else "recovered"]
-            kept = result.tokens[i, :keep]
+            kept = torch.tensor(token_lists[i][:keep], dtype=torch.long)
             q_kept = proposals[i][1][: min(kk, keep)]
             r.record.add(logits[i][:keep], p_rows[i][:keep], q_kept, kept, roles[:keep])
             r.blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
@@ -779,7 +809,7 @@ class BatchDecoder:
         return Generation(
             prompt_ids=tuple(r.prompt.tolist()), token_ids=tuple(r.seq[n0:].tolist()), blocks=tuple(r.blocks),
             steps=r.record.steps, target_calls=r.target_calls, draft_calls=r.draft_calls,
-            seconds=time.perf_counter() - r.start, finish=finish, rule=self.rule,
+            seconds=time.perf_counter() - r.start, finish=finish, rule=r.rule,
             probs=r.record.probs, target_seconds=r.target_seconds, draft_seconds=r.draft_seconds,
             diagnostics_seconds=r.record.seconds, speculation=self._speculation(r),
         )

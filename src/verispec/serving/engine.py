@@ -1,10 +1,10 @@
 """The continuous-batching engine of `verispec serve` (docs/serving.md, 'Serving').
 
-One thread owns the models and drives `BatchDecoder`s. A `BatchDecoder` has one rule and one draft
-shape (chain, or a tree: `DecodeConfig.tree`); a chain decoder's rows each keep their own sampling
-settings (temperature, top-k, top-p, min-p), a tree decoder's share one. So requests are grouped by
-(rule, draft shape, and for trees the sampling settings): one decoder per group, k per row; the
-engine steps the non-empty groups in turn (one block each), so requests join and leave between blocks.
+One thread owns the models and drives `BatchDecoder`s. A chain decoder's rows each keep their own
+rule and sampling settings (temperature, top-k, top-p, min-p), so every chain request shares one
+decoder and one forward pass a block; a tree decoder (`DecodeConfig.tree`) has one rule, one shape and
+one setting, so tree requests are grouped by them; k is per row. The engine steps the non-empty groups
+in turn (one block each), so requests join and leave between blocks.
 Each request draws from its own `torch.Generator` seeded by its `seed`, so its output is what it would
 be alone (the batch-independence contract of `BatchDecoder`, up to float rounding of batched forward
 passes).
@@ -100,7 +100,7 @@ class Job:
 
 class Engine:
     """One thread that owns the models: admits queued requests between blocks, steps every non-empty
-    (rule, draft shape[, sampling]) group's `BatchDecoder` in turn, streams new text, delivers finished
+    group's `BatchDecoder` in turn (all chain rows, or a tree group), streams new text, delivers finished
     generations."""
 
     def __init__(self, target, drafter, config: ServeConfig, metrics: Metrics):
@@ -274,9 +274,11 @@ class Engine:
 
     def _admit(self, job: Job) -> None:
         p = job.params
-        # rows of any sampling settings share a chain decoder (each row is processed with its own); a tree
-        # decoder keeps one setting
-        key = (p.rule.spec if p.rule is not None else "plain", p.tree, p.sampling if p.tree else None)
+        # chain rows of any rule and sampling settings share one decoder (each row is verified by its own
+        # rule and processed with its own settings); a tree decoder keeps one rule and one setting
+        chain = p.rule is not None and p.tree is None
+        key = (("chain", None, None) if chain else
+               (p.rule.spec if p.rule is not None else "plain", p.tree, p.sampling if p.tree else None))
         if p.echo and (p.logprobs is not None or p.max_tokens == 0):
             try:  # a failure here fails this request alone (500), never the engine
                 if p.logprobs is not None:  # one target pass over the prompt, on this thread
@@ -308,7 +310,8 @@ class Engine:
                                       p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
                                   tree=p.tree, policy=self.policy if p.adaptive else None,
                                   prefill_chunk=self.config.prefill_chunk or None, prefill_paced=True)
-            row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config)
+            row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config,
+                          rule=p.rule if chain else None)
         except ValueError as err:
             self.running -= 1
             self._emit(job, ("error", APIError(400, str(err))))
