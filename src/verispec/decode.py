@@ -41,6 +41,7 @@ from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
 
 
 PREFILL_START = 4  # the prompt tokens of a paced prefill's first step (`DecodeConfig.prefill_paced`)
+PREFILL_SHARE = 0.75  # a paced prefill step aims at this fraction of the other rows' last block
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -66,10 +67,10 @@ class DecodeConfig:
     # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
     # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
     prefill_chunk: int | None = None
-    # with rows decoding beside it, a step's prefill lasts about as long as their block, so their latency
-    # at most about doubles while a long prompt is fed: from PREFILL_START tokens, a step feeds half as
-    # many more again after a step that took no longer than the others' block, and scales down by the
-    # overrun after one that took longer (at least 1 token, at most prefill_chunk). Chunk sizes then
+    # with rows decoding beside it, a step's prefill lasts at most about as long as their block, so their
+    # latency at most about doubles while a long prompt is fed: from PREFILL_START tokens, a step feeds
+    # half as many more again after a step within PREFILL_SHARE of the others' last block, and scales down
+    # by the overrun after one beyond it (at least 1 token, at most prefill_chunk). Chunk sizes then
     # follow measured times, so a long prompt's logits can differ from run to run by float rounding.
     prefill_paced: bool = False
 
@@ -603,8 +604,8 @@ class BatchDecoder:
                 size = PREFILL_START
             else:
                 tokens, seconds = self._paced
-                size = (tokens + max(1, tokens // 2) if seconds <= self._block_seconds else
-                        int(tokens * self._block_seconds / seconds))
+                aim = PREFILL_SHARE * self._block_seconds
+                size = tokens + max(1, tokens // 2) if seconds <= aim else int(tokens * aim / seconds)
             budget = max(1, min(budget, size))
         start, fed = time.perf_counter(), 0
         for left, row in waiting:

@@ -65,7 +65,7 @@ def shift_distances(law: Tensor, target_probs: Tensor, baseline_law: Tensor | No
     (docs/design.md, 'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes from
     float32 rows) take one ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two) and
     the overshoot: 0.38x
-    the separate functions' time at Qwen's vocabulary (benchmarks/diagnostics_cost.py), equal to them
+    the separate functions' time at Qwen's vocabulary (benchmarks/kernels/diagnostics_cost.py), equal to them
     within float64 rounding (tests). Other rows (a zero in p: a truncated target, an underflowed
     softmax) go through the separate functions, which clamp p at 1e-300 and hold the +inf cases. law is
     a law (finite, >= 0), as position_stats builds it."""

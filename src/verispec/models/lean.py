@@ -86,14 +86,14 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         # Kernel by the GEMM's row count M = B*m, not m: [B, 1, in] with B > 1 is a small-M GEMM,
-        # where `x @ W^T` leaves MKL's GEMV path. Measured (`python benchmarks/batch_forward.py
+        # where `x @ W^T` leaves MKL's GEMV path. Measured (`python benchmarks/kernels/batch_forward.py
         # --kernels`, benchmarks/RESULTS.md "Batched forward passes"; the default target's five
         # weight shapes summed, median us, x @ W^T vs packed), 1 thread: M=1 875 vs 2926, M=2 1899 vs
         # 2817, M=4 5465 vs 3821, M=16 8591 vs 5414, M=64 16415 vs 12145; 2 threads (a loaded
         # machine, an ad-hoc run of the same loop): M=1 637 vs 15411, M=4 29564 vs 14601, M=64 30714
         # vs 14998. So in fp32 the GEMV for M == 1 and oneDNN packed above (M = 2-3 on one thread is
         # the one mild loss), as for batch 1. bf16 takes oneDNN packed for every M (`python
-        # benchmarks/int4_kernels.py`: one row 106 ms packed vs 238 ms x @ W^T over a 1.5B's layers).
+        # benchmarks/kernels/int4_kernels.py`: one row 106 ms packed vs 238 ms x @ W^T over a 1.5B's layers).
         if self.packed is not None and (self.weight_t is None or x.numel() > x.shape[-1]):
             flat = x.reshape(-1, x.shape[-1])  # [B*m, in]
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")

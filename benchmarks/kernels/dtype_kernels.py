@@ -5,7 +5,7 @@ through the lean backend's own kernel choice (`verispec.models.lean.Linear`: W^T
 oneDNN's packed GEMM above where it agrees with F.linear, else F.linear), for 1 and 5 new tokens
 (a plain step and a k = 4 verification pass). Random weights: the cost depends on shapes and dtype only.
 
-    python benchmarks/dtype_kernels.py
+    python benchmarks/kernels/dtype_kernels.py
 
 On CPUs without bf16 instructions (AVX512-BF16 / AMX) torch emulates bf16 matmuls, so bf16 halves
 memory but not time; this prints both so the choice of compute dtype is measured, not assumed.
@@ -14,10 +14,13 @@ memory but not time; this prints both so the choice of compute dtype is measured
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment
 
 from verispec.models.lean import Linear

@@ -1,5 +1,5 @@
 """Where a decode's time goes, on any device: wall seconds inside the engine's named parts (those of
-benchmarks/profile_shares.py, which reads py-spy samples instead), for plain decoding and lossless SD of
+benchmarks/kernels/profile_shares.py, which reads py-spy samples instead), for plain decoding and lossless SD of
 a pair at chosen batch sizes. Each part is timed by a wrapper around its function (the outermost call
 only), so parts nest and overlap: the draft's own model passes count under 'draft proposals' and under
 'model passes' both; read each row against its parent. On a GPU every model pass ends in the copy of
@@ -7,19 +7,22 @@ its logits to the CPU, which waits for the kernels, so 'model passes' holds the 
 last row gives the CUDA kernels' own time (a second run under torch.profiler) over the unprofiled run's
 wall time.
 
-    python benchmarks/step_profile.py                                  # default pair, CPU
-    python benchmarks/step_profile.py --device cuda --batches 1 64     # both models on the GPU
+    python benchmarks/kernels/step_profile.py                                  # default pair, CPU
+    python benchmarks/kernels/step_profile.py --device cuda --batches 1 64     # both models on the GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment, print_table
 
 from verispec import decode

@@ -1,7 +1,7 @@
 """Batched forward passes: the time of ONE lean forward pass over B rows vs B = 1.
 
-    python benchmarks/batch_forward.py [--target default] [--context 128] [--reps 7]
-    python benchmarks/batch_forward.py --kernels     # the matmul kernel choice of lean.Linear
+    python benchmarks/kernels/batch_forward.py [--target default] [--context 128] [--reps 7]
+    python benchmarks/kernels/batch_forward.py --kernels     # the matmul kernel choice of lean.Linear
 
 Each row holds `--context` tokens of play text (rows start at different offsets); a *decode step*
 feeds one new token per row, a *verification pass* 5 per row (k = 4 drafts + 1), through
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import PROMPTS, environment, fmt_spread, print_table, spread
 
 from verispec.models import load_model

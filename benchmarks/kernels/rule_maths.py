@@ -1,6 +1,6 @@
 """Rule maths cost: the cost of the rule maths alone, against one pass that reads the same inputs.
 
-    python benchmarks/rule_maths.py [--shape 64 9 50000] [--reps 7]
+    python benchmarks/kernels/rule_maths.py [--shape 64 9 50000] [--reps 7]
 
 For each rule: `emitted(p, q)` on [B, K, V] and `verify(p, q, x)` on [B, K+1, V] / [B, K, V], as the
 decode loop calls them (inputs already validated: `_emitted`, `verify_with_uniforms(validate=False)`)
@@ -11,9 +11,12 @@ timed interleaved in one process (median of reps).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment, interleaved_times, print_table, spread, write_json
 
 from verispec.rules import parse

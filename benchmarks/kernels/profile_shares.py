@@ -1,7 +1,7 @@
 """Where a run's time goes: inclusive shares of named functions in a py-spy raw profile.
 
     py-spy record -f raw -r 20 -o prof.txt -- verispec bench ...   # any command
-    python benchmarks/profile_shares.py prof.txt
+    python benchmarks/kernels/profile_shares.py prof.txt
 
 A function's share is the fraction of samples whose stack contains it (counted once per sample however
 deep it recurs), so nested functions' shares overlap: read each against its parent.

@@ -1,6 +1,6 @@
 """Cost growth: time per generated token vs context length (128 .. 2048) and vs k (1 .. 8).
 
-    python benchmarks/cost.py [--target default] [--draft default-draft]
+    python benchmarks/kernels/cost.py [--target default] [--draft default-draft]
 
 For each context length L the prompt is L tokens of play text, then new tokens are decoded, plain
 and lossless speculative (k = 4), greedy so that runs are comparable. The cost per token is
@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment, print_table, write_json
 
 from verispec.decode import DecodeConfig, autoregressive_decode, speculative_decode

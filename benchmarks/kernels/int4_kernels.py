@@ -7,18 +7,21 @@ The Qwen2.5-Coder-1.5B target's four projection shapes per layer (q/k/v fused, o
 depends on shapes only). Rows = tokens in the call: 1 (a decoding step), k + 1 (a verification), a
 batch, a prompt.
 
-    python benchmarks/int4_kernels.py --threads 2
+    python benchmarks/kernels/int4_kernels.py --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
 from common import environment
 
 from verispec.models.int4 import Int4Linear, requantize

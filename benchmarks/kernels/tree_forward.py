@@ -1,6 +1,6 @@
 """Tree attention cost: one `forward_tree` pass over M tree nodes vs one chain verification pass.
 
-    python benchmarks/tree_forward.py [--target default] [--context 64] [--reps 30]
+    python benchmarks/kernels/tree_forward.py [--target default] [--context 64] [--reps 30]
 
 On the batch-1 `LeanCache` after a `--context`-token prefix: a chain pass feeds k + 1 tokens through
 `LeanLlama.forward` (k drafts plus the last committed token), a tree pass feeds M nodes (the root,
