@@ -40,8 +40,12 @@ from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, ref
 from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
 
 
-PREFILL_START = 4  # the prompt tokens of a paced prefill's first step (`DecodeConfig.prefill_paced`)
-PREFILL_SHARE = 0.75  # a paced prefill step aims at this fraction of the other rows' last block
+# paced prefill (`DecodeConfig.prefill_paced`): its first chunk's tokens; the most prefill time per second
+# of the other rows' blocks (a duty cycle); the chunk duration it aims at, in those rows' blocks (fewer,
+# larger chunks read the weights fewer times than one small chunk a step)
+PREFILL_START = 4
+PREFILL_SHARE = 0.75
+PREFILL_STEP = 2.0
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -67,10 +71,11 @@ class DecodeConfig:
     # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
     # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
     prefill_chunk: int | None = None
-    # with rows decoding beside it, a step's prefill lasts at most about as long as their block, so their
-    # latency at most about doubles while a long prompt is fed: from PREFILL_START tokens, a step feeds
-    # half as many more again after a step within PREFILL_SHARE of the others' last block, and scales down
-    # by the overrun after one beyond it (at least 1 token, at most prefill_chunk). Chunk sizes then
+    # with rows decoding beside it, prefill takes at most PREFILL_SHARE of the time their blocks take (a
+    # chunk runs once their blocks since the last one have paid for it), so their latency stays under
+    # 2x while a long prompt is fed; a chunk aims at PREFILL_STEP of their blocks, from PREFILL_START
+    # tokens: half as many more again after a chunk within that, scaled down by the overrun after one
+    # beyond it (at least 1 token, at most prefill_chunk). Chunk sizes then
     # follow measured times, so a long prompt's logits can differ from run to run by float rounding.
     prefill_paced: bool = False
 
@@ -538,6 +543,7 @@ class BatchDecoder:
         self._rows: dict[int, _Row] = {}
         self._next_id = 0
         self._paced: tuple[int, float] | None = None  # last paced prefill step: (tokens, seconds)
+        self._credit = 0.0  # paced prefill: seconds of prefill the other rows' blocks have paid for
         self._block_seconds: float | None = None  # wall seconds of the last block of decoding rows
 
     @property
@@ -599,12 +605,14 @@ class BatchDecoder:
         budget = config.prefill_chunk
         decoding = len(waiting) < len(self._rows)
         paced = config.prefill_paced and decoding
-        if paced:  # about as long as the others' last block
+        if paced:  # once the others' blocks have paid for the last chunk; about PREFILL_STEP blocks long
+            if self._credit < 0:
+                return
             if self._paced is None or self._block_seconds is None:
                 size = PREFILL_START
             else:
                 tokens, seconds = self._paced
-                aim = PREFILL_SHARE * self._block_seconds
+                aim = PREFILL_STEP * self._block_seconds
                 size = tokens + max(1, tokens // 2) if seconds <= aim else int(tokens * aim / seconds)
             budget = max(1, min(budget, size))
         start, fed = time.perf_counter(), 0
@@ -614,7 +622,9 @@ class BatchDecoder:
             self._prefill(row, min(left, budget))
             fed += min(left, budget)
             budget -= min(left, budget)
-        self._paced = (fed, time.perf_counter() - start) if paced else None
+        seconds = time.perf_counter() - start
+        self._paced = (fed, seconds) if paced else None
+        self._credit = self._credit - seconds if paced else 0.0
 
     def _prefill(self, row: int, count: int) -> None:
         """Feed the next `count` tokens of a row's prompt to the target's cache and the drafter's (one
@@ -657,6 +667,8 @@ class BatchDecoder:
         else:
             ends = self._plain_step(ids, rows) if self.plain else self._speculative_step(ids, rows)
         self._block_seconds = time.perf_counter() - start
+        if any(self.prefilling(i) for i in self._rows):  # the block pays for some prefill (paced)
+            self._credit += PREFILL_SHARE * self._block_seconds
         return [(row, self._finish(row, how)) for row, how in ends]
 
     # -- one block -------------------------------------------------------------------------------
