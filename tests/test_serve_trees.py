@@ -213,7 +213,7 @@ BAD = [  # (verification, other fields, status-400 param, words of the message)
     ({"tree": "drafts:n=2", "rule": "lenience:l=0.5"}, {}, "verification.rule", "lossy on sampled drafts"),
     ({"tree": "tree:widths=2,1", "k": 3}, {}, "verification.k", "has its own depth (2): leave k out"),
     ({"tree": "drafts:n=2,depth=2", "k": 3}, {}, "verification.k", "has its own depth (2)"),
-    ({"tree": "tree:widths=2", "k": "auto"}, {}, "k", "'k' must be an integer"),  # no adaptive k here
+    ({"tree": "tree:widths=2", "k": "auto"}, {}, "verification.k", "needs a server started with --k auto"),
     ({"tree": "tree:widths=8,8"}, {}, "verification.tree", "72 nodes per block"),
     ({"tree": "drafts:n=2,replacement=0"}, {"temperature": 0}, "verification.tree",
      "at temperature 0 the processed draft is one-hot"),

@@ -47,6 +47,7 @@ PREFILL_START = 4
 PREFILL_SHARE = 0.75
 PREFILL_STEP = 2.0
 
+
 @dataclass(frozen=True)
 class DecodeConfig:
     k: int = 4
@@ -69,14 +70,15 @@ class DecodeConfig:
     # chain and plain rows of a BatchDecoder: a prompt longer than this many tokens is fed to the caches
     # in chunks, at most this many prompt tokens per `step` beside the other rows' blocks (the rows with
     # the fewest left first), so a long prompt cannot hold the others up; None: in one pass when the row
-    # joins. Where a chunk ends depends on the other rows waiting: on a real model, float rounding only
+    # joins. Where chunks end depends on the other rows waiting; on a real model that changes the long
+    # prompt's logits by float rounding only (the chunks attend through the cache)
     prefill_chunk: int | None = None
     # with rows decoding beside it, prefill takes at most PREFILL_SHARE of the time their blocks take (a
     # chunk runs once their blocks since the last one have paid for it), so their latency stays under
     # 2x while a long prompt is fed; a chunk aims at PREFILL_STEP of their blocks, from PREFILL_START
     # tokens: half as many more again after a chunk within that, scaled down by the overrun after one
-    # beyond it (at least 1 token, at most prefill_chunk). Chunk sizes then
-    # follow measured times, so a long prompt's logits can differ from run to run by float rounding.
+    # beyond it (at least 1 token, at most prefill_chunk). Chunk sizes then follow measured times, so a
+    # long prompt's logits can differ from run to run by float rounding.
     prefill_paced: bool = False
 
     def __post_init__(self) -> None:
@@ -502,10 +504,11 @@ class BatchDecoder:
     row and verifies it with a tree rule or Traversal Verification (`verispec.tree_decode`, docs/design.md
     'Tree decoding'); one target pass scores every row's tree on the lean backend.
 
-    One rule per decoder (applied to all rows in batched ops); per row: the sampling settings (chain
-    and plain decoding: each row's logits processed with its own, `sampling.process_rows`; tree mode
-    keeps one), k, max_new_tokens, stop_at_eos, stop_check, diagnostics and keep_probs
-    (`add(config=...)`).
+    Per row (`add(config=..., rule=...)`): chain rows their own rule (rows sharing one are verified in
+    one call) and sampling settings (each row's logits processed with its own,
+    `sampling.process_rows`); every row its k, max_new_tokens, stop_at_eos, stop_check, diagnostics,
+    keep_probs and chunked prefill. Tree mode keeps one rule and one sampling setting; plain decoding has
+    no rule.
 
     A row's `seconds` is the wall time from its `add` to its finish; `target_calls` / `draft_calls`
     count the (shared) passes the row took part in, and `target_seconds` / `draft_seconds` the full
@@ -673,8 +676,7 @@ class BatchDecoder:
 
     # -- one block -------------------------------------------------------------------------------
     def _speculative_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
-        rule, policy = self.rule, self.config.policy
-        assert rule is not None
+        policy = self.config.policy
         sampling = [r.config.sampling for r in rows]  # each row's own settings
         if policy is None:
             wanted = [r.config.k for r in rows]

@@ -68,6 +68,11 @@ class Metrics:
                                    "Per-response exact sequence log-likelihood ratio vs the target, "
                                    "per token",
                                    spec, buckets=(-1, -0.1, -0.01, 0.0, 0.01, 0.1, 1, 10), registry=r)
+        # prometheus_client leaves a histogram with negative buckets without `_sum` (OpenMetrics), so the
+        # log ratios' sum is a gauge of its own: mean = delta(..._summed) / increase(..._count)
+        self.log_ratio_sum = Gauge(f"{prefix}:response_log_ratio_per_token_summed",
+                                   "Sum of the per-response per-token log-likelihood ratios (the histogram's "
+                                   "sum)", spec, registry=r)
 
     def record(self, created: float, gen: Generation, report: dict, finish: str, returned: int) -> None:
         """One finished request; `returned`: its response's tokens (fewer than decoded after a stop
@@ -88,6 +93,8 @@ class Metrics:
                             (self.log_ratio, report["log_ratio_per_token"])):
             if value is not None and math.isfinite(value):
                 hist.labels(model_name=model, rule=rule).observe(value)
+                if hist is self.log_ratio:
+                    self.log_ratio_sum.labels(model_name=model, rule=rule).inc(value)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
