@@ -101,8 +101,9 @@ def test_a_sweep_stores_its_steps_compactly_and_reports_the_same(tmp_path):
 
 @pytest.mark.slow
 def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
-    """scripts/compact_steps.py on a copy of a committed sweep: the steps move to steps.bin, the files
-    shrink, and the report reads the same (the script refuses otherwise)."""
+    """scripts/compact_steps.py on a committed sweep written out with its steps and token ids inline (as
+    the first writer stored every row, NaN as bare JSON): they move to steps.bin, the files shrink, the
+    rows become strict JSON, and the report reads the same (the script refuses otherwise)."""
     import shutil
     from pathlib import Path
 
@@ -114,12 +115,18 @@ def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
         pytest.skip("the committed sweep is not in this checkout")
     sweep = tmp_path / "qwen-mtbench-pilot"
     shutil.copytree(source, sweep)
+    rows = read_rows(sweep / "results.jsonl")
+    (sweep / STEPS_FILE).unlink()
+    (sweep / "results.jsonl").write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     before = write_report(sweep, html_path=tmp_path / "a.html", markdown=True)[0]
     size = (sweep / "results.jsonl").stat().st_size
     rows, moved, saved = load_script("compact_steps").compact(sweep, check=False)
     assert rows == moved == 32 and saved > size / 2
     assert write_report(sweep, html_path=tmp_path / "b.html", markdown=True)[0] == before
-    assert all(is_pointer(json.loads(line)["steps"]) for line in (sweep / "results.jsonl").open())
+    assert all(is_pointer(json.loads(line)["steps"]) and is_pointer(json.loads(line)["token_ids"])
+               for line in (sweep / "results.jsonl").open())
+    for line in (sweep / "results.jsonl").read_text().splitlines():  # strict JSON: no bare NaN
+        json.loads(line, parse_constant=pytest.fail)
 
 
 def test_equal_columns_are_stored_once_and_read_back_as_themselves():
