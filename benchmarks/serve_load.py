@@ -56,11 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str], wait: float = 120,
-                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], wait: float = 120, env: dict | None = None,
+                 max_batch: int = 64) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "verispec", "serve", "--port", str(port), "--host", "127.0.0.1",
-           "--max-batch", "64", "--max-queue", "256", "--log-level", "warning", *extra]
+           "--max-batch", str(max_batch), "--max-queue", "256", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait
@@ -177,6 +177,8 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="also measure the short load beside one request with a prompt this long")
     parser.add_argument("--long-prompt-concurrency", type=int, default=4)
+    parser.add_argument("--max-batch", type=int, default=64,
+                        help="the servers' --max-batch (the llama.cpp backend holds 8 rows)")
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default="default-draft")
     parser.add_argument("--ray-replicas", nargs="*", type=int, default=[],
@@ -193,7 +195,8 @@ def main() -> None:
         modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
     rows, longs = [], []
     for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]:
-        proc, url = start_server(modes[mode], wait=600, env=envs.get(mode))  # a large pair loads in minutes
+        proc, url = start_server(modes[mode], wait=600, env=envs.get(mode),  # a large pair loads in minutes
+                                 max_batch=args.max_batch)
         try:
             asyncio.run(level(url, 4, 8, args.max_tokens))  # warm up (first batch shapes are slow)
             for c in args.concurrency:

@@ -1,8 +1,8 @@
 """Where a decode's time goes, on any device: wall seconds inside the engine's named parts (those of
-benchmarks/kernels/profile_shares.py, which reads py-spy samples instead), for plain decoding and lossless SD of
-a pair at chosen batch sizes. Each part is timed by a wrapper around its function (the outermost call
-only), so parts nest and overlap: the draft's own model passes count under 'draft proposals' and under
-'model passes' both; read each row against its parent. On a GPU every model pass ends in the copy of
+benchmarks/kernels/profile_shares.py, which reads py-spy samples instead), for plain decoding and lossless
+SD of a pair at chosen batch sizes. Each part is timed by a wrapper around its function (the outermost
+call only), so parts nest and overlap: the draft's own model passes count under 'draft proposals' and
+under 'model passes' both; read each row against its parent. On a GPU every model pass ends in the copy of
 its logits to the CPU, which waits for the kernels, so 'model passes' holds the GPU's own time too, and a
 last row gives the CUDA kernels' own time (a second run under torch.profiler) over the unprofiled run's
 wall time.
