@@ -232,6 +232,13 @@ def test_concurrent_requests_equal_alone(srv):
     print(f"concurrent vs alone: {32 - len(differ)}/32 identical")
 
 
+@pytest.mark.slow
+def test_k_auto_is_refused_by_a_server_that_measured_no_costs(srv):
+    resp = httpx.post(srv.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 4, "verification": {"k": "auto"}})
+    assert resp.status_code == 400 and "--k auto" in resp.json()["error"]["message"]
+
+
 RULES = [LOSSY, "lossless", "lenience:l=0.5", LOSSY, "typical:eps=0.09,alpha=0.3", "lossless"]
 
 
