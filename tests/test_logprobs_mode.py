@@ -73,3 +73,28 @@ def test_an_unknown_mode_is_refused():
         token_logprobs(gen, 2, mode="logits")
     with pytest.raises(ValueError, match="--logprobs-mode"):
         ServeConfig(target="default", logprobs_mode="raw")
+
+
+def test_the_token_value_equals_its_top_entry_and_needs_no_rows_without_top():
+    """With top_logprobs the token's value is read from the same float64 row as the top ones (a greedy
+    token equals the largest top value exactly, as lm-eval's is_greedy compares); without, the logits
+    modes read the tokens' own logits (keep_token_logits) and agree with the rows to float32."""
+    target, draft = toy_pair()
+    sampling = SamplingConfig(temperature=0.7, top_k=3)
+    config = DecodeConfig(k=3, max_new_tokens=9, sampling=sampling, keep_token_logits=True)
+    [lean] = decode_prompts(target, [[1, 2]], [torch.Generator().manual_seed(3)], config,
+                            drafter=ModelDrafter(draft), rule=parse("lenience:l=0.5"))
+    gen, _, _ = generation()  # the same seed and settings, with the V-sized rows kept
+    assert lean.token_ids == gen.token_ids and gen.token_logits is None and lean.probs is None
+    for mode in MODES:
+        with_rows = token_logprobs(gen, gen.num_tokens, top=5, mode=mode, temperature=0.7)
+        for e in with_rows:
+            if e["token_id"] in dict(e["top"]):
+                assert e["logprob"] == dict(e["top"])[e["token_id"]]  # the very same number
+        record = token_logprobs(lean, lean.num_tokens, mode=mode, temperature=0.7)
+        assert [e["logprob"] for e in record] == pytest.approx([e["logprob"] for e in with_rows], abs=1e-5)
+    [bare] = decode_prompts(target, [[1, 2]], [torch.Generator().manual_seed(3)],
+                            DecodeConfig(k=3, max_new_tokens=9, sampling=sampling),
+                            drafter=ModelDrafter(draft), rule=parse("lenience:l=0.5"))
+    with pytest.raises(ValueError, match="keep_token_logits"):
+        token_logprobs(bare, 2, mode="raw_logits")

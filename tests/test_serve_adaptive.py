@@ -117,3 +117,21 @@ def test_a_long_prompt_is_fed_in_chunks_beside_short_requests_and_stops_when_its
         assert "--max-prompt-tokens 1600" in too_long.json()["error"]["message"]
     finally:
         running.close()
+
+
+def test_streamed_entries_wait_for_a_character_split_across_tokens():
+    """`tokens_within`: with byte-level tokens, a character split over two tokens decodes to U+FFFD until
+    its last byte comes; the count passes it once the text holds the whole character, and goes on after
+    it (it used to stop there for the rest of the stream)."""
+    from verispec.serving.engine import tokens_within
+
+    pieces = [b"A", "中".encode()[:2], "中".encode()[2:], b"C", b"D"]
+
+    def decode(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    ids = list(range(len(pieces)))
+    assert tokens_within("A", ids, 0, decode) == 1
+    assert tokens_within("A中", ids, 1, decode) == 3
+    assert tokens_within("A中CD", ids, 1, decode) == 5
+    assert tokens_within("A中C", ids, 3, decode) == 4

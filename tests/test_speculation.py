@@ -134,14 +134,19 @@ def test_a_row_without_the_policy_keeps_its_k_beside_adaptive_rows():
     policy = AdaptivePolicy(COSTS, k_max=2)  # from batch 4 on speculation cannot pay: adaptive rows off
     dec = BatchDecoder(target, ModelDrafter(draft), "lossless", DecodeConfig(k=2, policy=policy))
     pinned = dec.add([1], torch.Generator().manual_seed(50), DecodeConfig(k=2, max_new_tokens=10))
+    # a row pinned wider than the costs were measured for (the server's max_k is above k="auto"'s)
+    wide = dec.add([2], torch.Generator().manual_seed(51), DecodeConfig(k=5, max_new_tokens=10))
     adaptive = [dec.add([1], torch.Generator().manual_seed(i), DecodeConfig(k=2, max_new_tokens=10,
-                                                                           policy=policy)) for i in range(3)]
+                                                                           policy=policy)) for i in range(4)]
     done = {}
     while dec.active:
         done.update(dict(dec.step()))
     alone = speculative_decode(target, ModelDrafter(draft), [1], "lossless",
                                DecodeConfig(k=2, max_new_tokens=10), torch.Generator().manual_seed(50))
     assert done[pinned].token_ids == alone.token_ids and done[pinned].blocks == alone.blocks
+    wide_alone = speculative_decode(target, ModelDrafter(draft), [2], "lossless",
+                                    DecodeConfig(k=5, max_new_tokens=10), torch.Generator().manual_seed(51))
+    assert done[wide].token_ids == wide_alone.token_ids and done[wide].blocks[0].proposed == 5
     assert done[pinned].speculation is None and all(b.proposed > 0 for b in done[pinned].blocks[:-1])
     assert all(done[row].speculation["blocks_off"] > 0 for row in adaptive)
     with pytest.raises(ValueError, match="decoder's speculation policy"):

@@ -165,7 +165,7 @@ def test_token_ids_are_stored_beside_the_steps_and_read_back(tmp_path):
 
 
 def test_rows_are_strict_json_and_read_back_with_their_nan_and_infinities(tmp_path):
-    from verispec.evaluation.store import strict_json
+    from verispec.evaluation.store import load_row, strict_json
 
     path = tmp_path / "results.jsonl"
     row = {**results_row("u1"), "acceptance_rate": float("nan"), "log_ratio": float("-inf"),
@@ -180,6 +180,8 @@ def test_rows_are_strict_json_and_read_back_with_their_nan_and_infinities(tmp_pa
     assert math.isnan(back["metrics"]["distinct_2"]) and back["metrics"]["repetition_4"] == 0.5
     assert back["steps"]["kl"] == [math.inf, 0.0] and back["steps"]["tv"] == [0.1, None]
     assert strict_json(back) == text.strip()  # written again, the same line
+    odd = load_row(strict_json({"m": {1: float("nan")}, "t": (1.0, float("inf"))}))  # int key, tuple
+    assert math.isnan(odd["m"]["1"]) and odd["t"] == [1.0, math.inf]
     bad = json.loads(text)
     bad["non_finite"] = [[["tokens"], "nan"]]  # names a value that is not null
     path.write_text(json.dumps(bad) + "\n" + json.dumps(results_row("u2")) + "\n")

@@ -56,6 +56,7 @@ class DecodeConfig:
     stop_at_eos: bool = True  # end at the first of the target's stop tokens (`stop_ids`)
     diagnostics: bool = True
     keep_probs: bool = False  # keep the V-sized target/draft rows and raw logits of every emitted position
+    keep_token_logits: bool = False  # keep each emitted token's raw logit (`Generation.token_logits`)
     # an extra stop condition, checked once per block: given every token the row has emitted so far
     # (this block's included), the number of tokens to keep when the row must stop there (finish
     # "stop"), else None. It must return None on every shorter prefix it was called on before (so a
@@ -130,6 +131,7 @@ class Generation:
     diagnostics_seconds: float = 0.0
     # with an adaptive policy: its costs, the k of each block and the blocks it turned speculation off
     speculation: dict | None = None
+    token_logits: tuple[float, ...] | None = None  # each emitted token's raw logit (keep_token_logits)
 
     @property
     def rule_spec(self) -> str:
@@ -367,6 +369,7 @@ class _Recorder:
         self.steps: dict[str, list] | None = {} if config.diagnostics else None
         self.probs: dict[str, list[Tensor]] | None = (
             {"target": [], "draft": [], "raw": []} if config.keep_probs else None)  # raw: the logits
+        self.token_logits: list[float] | None = [] if config.keep_token_logits else None
         self._rows: list[tuple[Tensor, Tensor, Tensor, list[str], Tensor, Tensor | None]] = []
         self._pending = 0
         self.seconds = 0.0  # time spent on diagnostics
@@ -385,6 +388,8 @@ class _Recorder:
             self.seconds += time.perf_counter() - start
             if self._pending >= self.FLUSH:
                 self.flush()
+        if self.token_logits is not None:
+            self.token_logits.extend(logits.gather(-1, tokens[:, None]).squeeze(-1).tolist())  # [n]
         if self.probs is not None:
             self.probs["target"].append(p.clone())
             self.probs["draft"].append(q.clone())
@@ -685,8 +690,11 @@ class BatchDecoder:
             estimates = [r.acceptance.estimate for r in rows]
             wanted = [policy.choose_k(a, r.acceptance.tests, r.acceptance.accepted) if r.adaptive
                       else r.config.k for a, r in zip(estimates, rows)]
-            off = (policy.by_batch and any(k for k, r in zip(wanted, rows) if r.adaptive)
-                   and not policy.pays(estimates, wanted))
+            # the adaptive rows weighed among themselves (a pinned row drafts its own k whatever this
+            # decides, and may pin a k wider than the costs were measured for)
+            mine = [(a, k) for a, k, r in zip(estimates, wanted, rows) if r.adaptive]
+            off = (policy.by_batch and any(k for _, k in mine)
+                   and not policy.pays([a for a, _ in mine], [k for _, k in mine]))
             wanted = [0 if off and r.adaptive else k for k, r in zip(wanted, rows)]
             for r, k in zip(rows, wanted):
                 r.acceptance.choices.append(k)
@@ -827,6 +835,7 @@ class BatchDecoder:
             seconds=time.perf_counter() - r.start, finish=finish, rule=r.rule,
             probs=r.record.probs, target_seconds=r.target_seconds, draft_seconds=r.draft_seconds,
             diagnostics_seconds=r.record.seconds, speculation=self._speculation(r),
+            token_logits=None if r.record.token_logits is None else tuple(r.record.token_logits),
         )
 
     def _speculation(self, r: _Row) -> dict | None:

@@ -36,19 +36,51 @@ DRAFTED = ("accepted", "recovered")  # the roles of a token emitted at a draft p
 MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
-def _mode_rows(gen: Generation, returned: int, mode: str, temperature: float) -> torch.Tensor:
-    """[returned, V] float64: the values `mode` shows for every token of each returned position."""
+def _window(blocks: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """Rows start..end of per-block row tensors taken as one sequence, copying only the blocks that hold
+    them (a streamed chunk reads its own tokens' rows, not every row so far)."""
+    out, at = [], 0
+    for block in blocks:  # [n_b, V]
+        low, high = max(start - at, 0), min(end - at, block.shape[0])
+        if low < high:
+            out.append(block[low:high])
+        at += block.shape[0]
+        if at >= end:
+            break
+    return torch.cat(out) if out else blocks[0][:0]  # [end - start, V]
+
+
+def _mode_rows(gen: Generation, start: int, end: int, mode: str, temperature: float) -> torch.Tensor:
+    """[end - start, V] float64: the values `mode` shows for every token of returned positions start..end."""
     if mode == "processed_logprobs":
-        rows = torch.cat(gen.probs["target"])[:returned].double()  # [returned, V]
+        rows = _window(gen.probs["target"], start, end).double()  # [n, V]
         return (rows / rows.sum(-1, keepdim=True)).log()  # float32 rows sum to 1 within ~1e-6
-    logits = torch.cat(gen.probs["raw"])[:returned].double()  # [returned, V]
+    logits = _window(gen.probs["raw"], start, end).double()  # [n, V]
     if mode == "raw_logprobs":
         return logits.log_softmax(-1)
     if mode == "raw_logits":
         return logits
-    support = torch.cat(gen.probs["target"])[:returned] > 0  # [returned, V]
+    support = _window(gen.probs["target"], start, end) > 0  # [n, V]
     scaled = logits / temperature if temperature > 0 else logits
     return scaled.masked_fill(~support, -math.inf)
+
+
+def _token_value(gen: Generation, i: int, mode: str, temperature: float) -> float:
+    """The value `mode` shows for returned token i, from the per-token record alone (no V-sized rows):
+    the logits modes read `gen.token_logits` (decode with keep_token_logits)."""
+    steps = gen.steps
+    if mode == "processed_logprobs":
+        return float(steps["log_target"][i])
+    if mode == "raw_logprobs":
+        return float(steps["log_target_raw"][i])
+    if gen.token_logits is None:
+        raise ValueError(f"{mode} needs the tokens' logits: decode with keep_token_logits (or keep_probs)")
+    logit = float(gen.token_logits[i])
+    if mode == "raw_logits":
+        return logit
+    if steps["log_target"][i] == -math.inf:  # outside the processed law's support
+        return -math.inf
+    return logit / temperature if temperature > 0 else logit
 
 
 def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None,
@@ -56,33 +88,35 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None,
     """One entry per returned token (tokens `start` to `returned` of `gen.token_ids`): token_id, token
     (its text, with `decode`), logprob (the value `mode` shows, see MODES), processed_logprob,
     behaviour_logprob, raw_logprob, role, and with `top` > 0 `top` = [(token_id, value), ...], the
-    tokens with the largest values under the mode, and `top_behaviour` = the most likely tokens under
-    the token's behaviour law (`behaviour_rows`). A mode other than processed_logprobs, and `top`, need
-    `gen.probs` (decode with keep_probs); `temperature` is the request's (processed_logits). ValueError
-    without the per-token record (diagnostics off) or for an unknown mode."""
+    tokens with the largest values under the mode (the token's logprob read from the same float64 row,
+    so a token that is the top one equals its value exactly), and `top_behaviour` = the most likely
+    tokens under the token's behaviour law (`behaviour_rows`). `top` needs `gen.probs` (decode with
+    keep_probs); the logits modes `gen.token_logits` (keep_token_logits) or those rows; `temperature` is
+    the request's (processed_logits). Only the window's rows are read. ValueError without the per-token
+    record (diagnostics off) or for an unknown mode."""
     if mode not in MODES:
         raise ValueError(f"logprobs mode must be one of {', '.join(MODES)}, got {mode!r}")
     steps = gen.steps
     if steps is None:
         raise ValueError("no per-token record: decoded with diagnostics off")
-    needs_rows = top or mode in ("raw_logits", "processed_logits")
-    rows = _mode_rows(gen, returned, mode, temperature)[start:] if needs_rows else None  # [n, V]
+    logits_mode = mode in ("raw_logits", "processed_logits")
+    rows = (_mode_rows(gen, start, returned, mode, temperature)  # [n, V]
+            if top or (logits_mode and gen.token_logits is None and gen.probs is not None) else None)
     if top:
         values, ids = rows.topk(min(top, rows.shape[-1]), dim=-1)  # [n, top] each
-        law_values, law_ids = behaviour_rows(gen, returned)[start:].topk(min(top, rows.shape[-1]), dim=-1)
-    shown = {"processed_logprobs": "log_target", "raw_logprobs": "log_target_raw"}.get(mode)
+        law_values, law_ids = behaviour_rows(gen, returned, start).topk(min(top, rows.shape[-1]), dim=-1)
     out = []
     for i in range(start, returned):
-        token = gen.token_ids[i]
+        token, j = gen.token_ids[i], i - start
         entry = {"token_id": token,
-                 "logprob": float(steps[shown][i]) if shown else float(rows[i - start, token]),
+                 "logprob": float(rows[j, token]) if rows is not None else _token_value(gen, i, mode,
+                                                                                        temperature),
                  "processed_logprob": float(steps["log_target"][i]),
                  "behaviour_logprob": float(steps["log_law"][i]),
                  "raw_logprob": float(steps["log_target_raw"][i]), "role": steps["role"][i]}
         if decode is not None:
             entry["token"] = decode([token])
         if top:
-            j = i - start
             entry["top"] = [(int(t), v) for v, t in zip(values[j].tolist(), ids[j].tolist())]
             entry["top_behaviour"] = [(int(t), math.log(v) if v > 0 else -math.inf)
                                       for v, t in zip(law_values[j].tolist(), law_ids[j].tolist())]
@@ -90,9 +124,9 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None,
     return out
 
 
-def behaviour_rows(gen: Generation, returned: int) -> torch.Tensor:
-    """The full behaviour law of each of the first `returned` tokens, [returned, V] float64: the law the
-    rule drew the token from given the decoder's state (docs/design.md, 'Rule anatomy'):
+def behaviour_rows(gen: Generation, returned: int, start: int = 0) -> torch.Tensor:
+    """The full behaviour law of returned tokens start..returned, [returned - start, V] float64: the law
+    the rule drew the token from given the decoder's state (docs/design.md, 'Rule anatomy'):
     `rule.emitted_law(p, q)` at a draft position (role accepted or recovered), `rule.bonus_law(p)` at a
     bonus position, p itself for a lossless rule or plain decoding. The same laws as
     `verispec.diagnostics.shift.position_stats`, whose value at the token is `steps["log_law"]`.
@@ -100,18 +134,24 @@ def behaviour_rows(gen: Generation, returned: int) -> torch.Tensor:
     if gen.probs is None or gen.steps is None:
         raise ValueError("the behaviour law needs the decoder's rows and per-token record: decode with "
                          "keep_probs and diagnostics on")
-    q_blocks = []
-    for p_block, q_block in zip(gen.probs["target"], gen.probs["draft"]):  # per block: [n, V], [m, V]
-        q_block = q_block[: p_block.shape[0]]  # [min(m, n), V]: the drafted positions kept
-        pad = p_block.new_zeros((p_block.shape[0] - q_block.shape[0], p_block.shape[1]))  # [n - m, V]
-        q_blocks.append(torch.cat([q_block, pad]))  # [n, V]
-    p = renormalised_f64(torch.cat(gen.probs["target"])[:returned])  # [returned, V]
+    p = renormalised_f64(_window(gen.probs["target"], start, returned))  # [n, V]
     rule = gen.rule
     if rule is None or rule.lossless:
         return p
-    q = torch.cat(q_blocks)[:returned]  # [returned, V]; zero rows at bonus positions
-    drafted = torch.tensor([r in DRAFTED for r in gen.steps["role"][:returned]], dtype=torch.bool)
-    law = torch.empty_like(p)  # [returned, V]
+    q_parts, at = [], 0
+    for p_block, q_block in zip(gen.probs["target"], gen.probs["draft"]):  # per block: [n_b, V], [m, V]
+        n_b = p_block.shape[0]
+        low, high = max(start - at, 0), min(returned - at, n_b)
+        if low < high:  # a block the window reaches: its drafted rows, zeros at its bonus position
+            q_block = q_block[:n_b]  # [min(m, n_b), V]: the drafted positions kept
+            pad = p_block.new_zeros((n_b - q_block.shape[0], p_block.shape[1]))  # [n_b - m, V]
+            q_parts.append(torch.cat([q_block, pad])[low:high])  # [high - low, V]
+        at += n_b
+        if at >= returned:
+            break
+    q = torch.cat(q_parts) if q_parts else p.new_zeros((0, p.shape[1]))  # [n, V]
+    drafted = torch.tensor([r in DRAFTED for r in gen.steps["role"][start:returned]], dtype=torch.bool)
+    law = torch.empty_like(p)  # [n, V]
     if drafted.any():
         law[drafted] = rule.emitted_law(p[drafted], renormalised_f64(q[drafted]))
     if not drafted.all():

@@ -102,6 +102,12 @@ NON_FINITE = "non_finite"  # a row's key: where it held NaN or an infinity, stor
 _NON_FINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
+def _json_key(key) -> str:
+    """A dict key as JSON writes it (1 -> "1", True -> "true"), so a path recorded with it finds the value
+    in the row read back."""
+    return key if isinstance(key, str) else next(iter(json.loads(json.dumps({key: 0}))))
+
+
 def strict_json(row: dict) -> str:
     """The row as strict JSON (what any parser reads): each NaN or infinity is written null and named,
     by its path, under `non_finite`, so `scan_rows` gives the row back exactly."""
@@ -112,8 +118,8 @@ def strict_json(row: dict) -> str:
             found.append([path, "nan" if value != value else "inf" if value > 0 else "-inf"])
             return None
         if isinstance(value, dict):
-            return {key: walk(item, [*path, key]) for key, item in value.items()}
-        if isinstance(value, list):
+            return {key: walk(item, [*path, _json_key(key)]) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):  # a tuple is written as a list
             return [walk(item, [*path, i]) for i, item in enumerate(value)]
         return value
 

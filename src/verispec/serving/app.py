@@ -912,8 +912,7 @@ def create_app(config: ServeConfig | None = None, target=None, drafter=None, ser
             entries = ([] if job.prompt_streamed else list(job.prompt_entries or [])) + (
                 token_logprobs(gen, returned, params.logprobs, decode, mode, temperature, start=start)
                 if returned > start else [])
-            every = entries if start == 0 else token_logprobs(gen, returned, mode=mode,
-                                                              temperature=temperature)
+            every = entries if start == 0 else token_logprobs(gen, returned)  # the record alone
             return shaped(i, entries, totals(every))
 
         def chunk(choices: list, **extra) -> str:

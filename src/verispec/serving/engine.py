@@ -306,8 +306,9 @@ class Engine:
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,
-                                  keep_probs=p.logprobs is not None and (  # rows: top and the logits
-                                      p.logprobs > 0 or self.config.logprobs_mode.endswith("logits")),
+                                  keep_probs=bool(p.logprobs),  # the V-sized rows, for top_logprobs
+                                  keep_token_logits=(p.logprobs is not None  # the logits modes' values
+                                                     and self.config.logprobs_mode.endswith("logits")),
                                   tree=p.tree, policy=self.policy if p.adaptive else None,
                                   prefill_chunk=self.config.prefill_chunk or None, prefill_paced=True)
             row = dec.add(p.prompt_ids, torch.Generator().manual_seed(p.seed), config,
@@ -394,9 +395,8 @@ class Engine:
         p = job.params
         if p.logprobs is None:
             return None
-        ids, n, decode = dec.tokens(row), job.tokens_streamed, self.target.decode
-        while n < len(ids) and text.startswith(decode(ids[: n + 1])):
-            n += 1
+        ids, decode = dec.tokens(row), self.target.decode
+        n = tokens_within(text, ids, job.tokens_streamed, decode)
         entries = [] if job.prompt_streamed else list(job.prompt_entries or [])
         job.prompt_streamed = True
         if n > job.tokens_streamed:
@@ -439,6 +439,22 @@ class Engine:
             self._stream(job, text, final=True)
         self.metrics.record(job.created, gen, report, finish, returned)
         return ("done", gen, text, finish, report, returned)
+
+
+def tokens_within(text: str, ids: list[int], start: int, decode) -> int:
+    """The most leading tokens of `ids` (at least `start`) whose text `text` holds whole: a token that
+    ends a character split across tokens counts once the character is complete (the prefix before it
+    decodes to U+FFFD, which is never the text streamed)."""
+    n = m = start
+    while m < len(ids):
+        m += 1
+        piece = decode(ids[:m])
+        if piece.endswith("\ufffd"):  # an incomplete character: the next token may complete it
+            continue
+        if not text.startswith(piece):
+            break
+        n = m
+    return n
 
 
 def find_stop(text: str, stops: list[str]) -> int | None:
