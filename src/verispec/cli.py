@@ -22,6 +22,7 @@ from verispec.evaluation.suites import load_suite
 from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import SweepSpec
 from verispec.jsonsafe import json_safe
+from verispec.logprobs import MODES
 from verispec.ray_cluster import RayOptions
 from verispec.models import MODELS, default_draft
 from verispec.models.fit import check_fits, fast_path
@@ -580,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-prompt-tokens", type=int, default=None,
                      help="longest prompt accepted, in tokens (default: the model's context)")
     srv.add_argument("--logprobs-mode", default="raw_logprobs",
-                     choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
+                     choices=list(MODES),
                      help="what OpenAI's logprobs fields show, as vLLM's option: the raw model's log-probs "
                           "(default), the processed target's (the sampling settings applied: the law "
                           "lossless decoding draws from), or the logits before / after processing; "

@@ -449,7 +449,11 @@ class _Row:
     rule: Rule | None = None  # the rule that verifies the row's blocks (the decoder's unless given)
     fed: int = 0  # prompt tokens already in the caches by chunked prefill (`DecodeConfig.prefill_chunk`)
     to_feed: int = 0  # prompt tokens chunked prefill feeds before the row's first block (0: none)
-    adaptive: bool = False  # its k chosen by the policy (else its config's k)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the row's k is chosen by the decoder's policy (else its config's k)."""
+        return self.config.policy is not None
 
     def cut(self, out: list[int]) -> tuple[int, str | None]:
         """How many of a block's tokens `out` the row keeps, and why it finishes (None: it goes on):
@@ -590,8 +594,7 @@ class BatchDecoder:
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
                                record=_Recorder(rule or self.rule, config), start=time.perf_counter(),
                                rule=rule or self.rule,
-                               acceptance=None if self.config.policy is None else RowAcceptance(),
-                               adaptive=config.policy is not None)
+                               acceptance=None if self.config.policy is None else RowAcceptance())
         chunk = config.prefill_chunk
         if chunk is not None and self._trees is None and prompt.shape[0] - 1 > chunk:
             self._rows[row].to_feed = prompt.shape[0] - 1  # all but the last: its first block scores it
