@@ -32,7 +32,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from verispec.evaluation.store import run_started
+from verispec.evaluation.store import has_rows, run_started, scan_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,22 +58,13 @@ def runs_in(results: Path) -> tuple[dict[str, tuple[int, float | None]], dict[st
     copied row keeps its run). "" stands for rows with no run id; a row cut mid-write counts in neither."""
     decoded: dict[str, tuple[int, float | None]] = {}
     copied: dict[str, int] = {}
-    if not results.exists():
-        return decoded, copied
-    with results.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(row, dict):
-                continue
-            run = row.get("run") or ""
-            if "reused_from" in row:
-                copied[run] = copied.get(run, 0) + 1
-            else:
-                count, first = decoded.get(run, (0, row.get("batch_seconds")))
-                decoded[run] = (count + 1, first)
+    for row in scan_rows(results, resolve=False).rows:  # plain or sealed; rows as written
+        run = row.get("run") or ""
+        if "reused_from" in row:
+            copied[run] = copied.get(run, 0) + 1
+        else:
+            count, first = decoded.get(run, (0, row.get("batch_seconds")))
+            decoded[run] = (count + 1, first)
     return decoded, copied
 
 
@@ -107,7 +98,7 @@ def check(sweep: Path, declaration: str = "PLAN.md") -> tuple[str, list[str]]:
     starts = {run: run_start(run) for run in runs}
     lines = [f"{sweep.relative_to(REPO)}: {sum(runs.values())} decoded rows in {len(runs)} run(s)"
              + (f", {sum(copied.values())} copied" if copied else "")
-             + ("" if results.exists() else " (no results.jsonl)")]
+             + ("" if has_rows(results) else " (no results.jsonl)")]
     if not commits:
         return "not committed", lines + [f"  {declaration} has no commit"]
     first, sha, subject = commits[0]

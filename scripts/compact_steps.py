@@ -1,13 +1,16 @@
 """Move a sweep's inline per-position arrays (`steps`) and token ids into its steps.bin
-(`verispec.evaluation.stepstore`) and write its rows as strict JSON (`store.strict_json`): each row keeps
-pointers instead of its arrays, which shrinks results.jsonl several-fold.
+(`verispec.evaluation.stepstore`), write its rows as strict JSON (`store.strict_json`) and, with `--seal`,
+compress the rows into results.jsonl.xz (`store.seal_rows`; a finished sweep's rows then weigh about a
+tenth, and are read-only until unsealed).
 
-    python scripts/compact_steps.py benchmarks/sweeps/qwen-mtbench-pilot [...] [--check]
+    python scripts/compact_steps.py benchmarks/sweeps/qwen-mtbench-pilot [...] [--seal] [--check]
+    python scripts/compact_steps.py --unseal benchmarks/sweeps/qwen-mtbench-pilot   # to add rows again
 
-The report of each sweep (`verispec report --markdown`) must read the same before and after (numbers are
-stored as float32; the reports print 3-4 digits); otherwise nothing is changed and the sweep is named.
-The rewrite is atomic: steps.bin and results.jsonl are built beside the old ones and replace them only
-once read back. `--check` changes nothing and prints what would change.
+The report of each sweep (`verispec report --markdown`, and its HTML) must read the same before and after
+(numbers are stored as float32; the reports print 3-4 digits); otherwise nothing is changed and the sweep
+is named. The new files are built beside the old ones and read back; each replaces its old one whole
+(steps.bin first: it only grows, so the old rows still read from it), the plain rows go last. `--check`
+changes nothing and prints what would change.
 """
 
 from __future__ import annotations
@@ -21,17 +24,30 @@ from pathlib import Path
 
 from verispec.evaluation.report import write_report
 from verispec.evaluation.stepstore import STEPS_FILE, compact_row
-from verispec.evaluation.store import SAME_AS, load_row, strict_json
+from verispec.evaluation.store import (SAME_AS, load_row, read_sealed, refuse_sealed, seal_rows, sealed_file,
+                                       strict_json, unseal_rows)
+
+RESULTS = "results.jsonl"
 
 
-def compact(sweep: Path, check: bool) -> tuple[int, int, int]:
+def _report(sweep: Path, work: Path) -> tuple[str, str]:
+    """(markdown, HTML) of a sweep's report (the HTML's path, which it names, is the same for both)."""
+    html = work / "report.html"
+    markdown = write_report(sweep, html_path=html, markdown=True)[0]
+    text = html.read_text(encoding="utf-8")
+    html.unlink()
+    return markdown, text
+
+
+def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int]:
     """(rows, rows moved, bytes saved) for one sweep."""
-    results = sweep / "results.jsonl"
+    results = sweep / RESULTS
+    refuse_sealed(results)  # a sealed sweep is compact already: unseal it to change it
     raw = results.read_bytes()
     with tempfile.TemporaryDirectory(dir=sweep.parent) as tmp:
         work = Path(tmp)
         for name in os.listdir(sweep):  # the report reads sweep.json, runs.jsonl, ... beside the rows
-            if name not in ("results.jsonl", STEPS_FILE) and (sweep / name).is_file():
+            if name not in (RESULTS, STEPS_FILE) and (sweep / name).is_file():
                 shutil.copy(sweep / name, work / name)
         if (sweep / STEPS_FILE).exists():
             shutil.copy(sweep / STEPS_FILE, work / STEPS_FILE)
@@ -44,31 +60,46 @@ def compact(sweep: Path, check: bool) -> tuple[int, int, int]:
             new = row if SAME_AS in row else compact_row(work, row)
             moved += new is not row
             lines.append(strict_json(new).encode())
-        (work / "results.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
-        kept = [work / n for n in ("results.jsonl", STEPS_FILE) if (work / n).exists()]
+        (work / RESULTS).write_bytes(b"".join(line + b"\n" for line in lines))
+        if seal:
+            seal_rows(work / RESULTS)
+        kept = [work / n for n in (RESULTS, RESULTS + ".xz", STEPS_FILE) if (work / n).exists()]
         new_size = sum(p.stat().st_size for p in kept)
         old_size = len(raw) + ((sweep / STEPS_FILE).stat().st_size if (sweep / STEPS_FILE).exists() else 0)
-        if check or (moved == 0 and lines == [line for line in raw.split(b"\n") if line.strip()]):
+        unchanged = moved == 0 and not seal and lines == [line for line in raw.split(b"\n") if line.strip()]
+        if check or unchanged:
             return rows, moved, old_size - new_size
-        before = write_report(sweep, html_path=work / "before.html", markdown=True)[0]
-        after = write_report(work, html_path=work / "after.html", markdown=True)[0]
-        if before != after:
-            raise SystemExit(f"{sweep}: the report would read differently with float32 steps; "
-                             "nothing changed")
+        with tempfile.TemporaryDirectory() as pages:
+            if _report(sweep, Path(pages)) != _report(work, Path(pages)):
+                raise SystemExit(f"{sweep}: the report would read differently once compacted; nothing "
+                                 "changed")
         os.replace(work / STEPS_FILE, sweep / STEPS_FILE)
-        os.replace(work / "results.jsonl", results)
+        if seal:
+            os.replace(sealed_file(work / RESULTS), sealed_file(results))
+            if read_sealed(sealed_file(results)) != (b"".join(line + b"\n" for line in lines)):
+                raise SystemExit(f"{sealed_file(results)} does not read back; {results} is kept")
+            results.unlink()
+        else:
+            os.replace(work / RESULTS, results)
         return rows, moved, old_size - new_size
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", type=Path)
+    parser.add_argument("--seal", action="store_true", help="also compress the rows (read-only until --unseal)")
+    parser.add_argument("--unseal", action="store_true", help="make sealed rows plain (appendable) again")
     parser.add_argument("--check", action="store_true", help="change nothing; print what would change")
     args = parser.parse_args()
     for sweep in args.sweeps:
-        rows, moved, saved = compact(sweep, args.check)
-        print(f"{sweep}: {rows} rows, {moved} {'would move' if args.check else 'moved'} their steps to "
-              f"{STEPS_FILE}, {saved / 1e6:.1f} MB {'to save' if args.check else 'saved'}")
+        if args.unseal:
+            print(f"{sweep}: rows unsealed into {unseal_rows(sweep / RESULTS)}")
+            continue
+        rows, moved, saved = compact(sweep, args.check, args.seal)
+        done = "would move" if args.check else "moved"
+        print(f"{sweep}: {rows} rows, {moved} {done} their steps to {STEPS_FILE}"
+              f"{', rows sealed' if args.seal and not args.check else ''}, {saved / 1e6:.1f} MB "
+              f"{'to save' if args.check else 'saved'}")
     return 0
 
 

@@ -17,13 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-from verispec.evaluation.store import SAME_AS, load_row, reference_row, scan_rows, strict_json
+from verispec.evaluation.store import SAME_AS, load_row, reference_row, refuse_sealed, scan_rows, strict_json
 
 
 def originals(sweeps_root: Path) -> dict[str, list[tuple[str, dict]]]:
     """unit -> [(sweep name, row)] for every row a sweep decoded itself (not copied, not a reference)."""
     out: dict[str, list[tuple[str, dict]]] = {}
-    for results in sorted(sweeps_root.glob("*/results.jsonl")):
+    for results in sorted(spec.parent / "results.jsonl" for spec in sweeps_root.glob("*/sweep.json")):
         for row in scan_rows(results, references=False).rows:
             if "reused_from" not in row and SAME_AS not in row:
                 out.setdefault(row.get("unit"), []).append((results.parent.name, row))
@@ -37,6 +37,7 @@ def canonical(row: dict) -> str:
 def rewrite(sweep: Path, index: dict[str, list[tuple[str, dict]]], check: bool) -> tuple[int, int, int]:
     """(rows, references made, bytes saved) for one sweep."""
     results = sweep / "results.jsonl"
+    refuse_sealed(results)  # sealed rows are read-only: unseal them first
     raw = results.read_bytes()
     lines = raw.split(b"\n")
     out_lines, made = [], 0

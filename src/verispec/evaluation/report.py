@@ -26,7 +26,7 @@ from verispec.evaluation.summary import (baseline_of, batch_size_of, chunk_size_
                                          row_seconds, summarize)
 from verispec.evaluation.rowcheck import row_problem
 from verispec.evaluation.store import (MAX_SETTINGS_BYTES, check_schema, read_regular_file, read_runs,
-                                       results_file, run_started, scan_rows)
+                                       has_rows, results_file, run_started, scan_rows)
 from verispec.evaluation.suites import load_suite
 from verispec.evaluation.units import SweepSpec
 from verispec.machine import kind
@@ -533,7 +533,7 @@ def _read_sweep(results_dir: str | Path) -> tuple[Path, list[dict], list[str]]:
     """(results file, its usable rows, notes on what was skipped); a missing file or rows of another
     schema version are errors."""
     path = results_file(results_dir)
-    if not path.exists():
+    if not has_rows(path) and not path.exists():
         raise FileNotFoundError(f"no results file: {path} does not exist (give a sweep's --out directory)")
     scan = scan_rows(path)
     check_schema(path, scan.rows, scan.lines)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import calendar
 import json
 import logging
+import lzma
 import math
 import os
 import re
@@ -191,7 +192,7 @@ def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -
         return f"{SAME_AS} must name a sibling sweep directory, got {str(name)[:80]!r}"
     if name not in sources:
         source = path.parent.parent / name / "results.jsonl"
-        if not source.exists():
+        if not has_rows(source):
             sources[name] = f"its source {source} does not exist"
         else:
             scan = scan_rows(source, references=False)  # its own steps read from its own folder
@@ -224,8 +225,12 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
     steps = StepsReader(Path(path).parent)
     path = Path(path)
     if not os.path.lexists(path):
-        return out
-    data = read_regular_file(path, max_bytes, "results file")
+        path = sealed_file(path)
+        if not os.path.lexists(path):
+            return out
+        data = read_sealed(path, max_bytes)
+    else:
+        data = read_regular_file(path, max_bytes, "results file")
     lines = data.split(b"\n")
     last = len(lines) - 1  # data.split leaves b"" after a final newline
     for number, line in enumerate(lines, 1):
@@ -265,10 +270,105 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
     return out
 
 
+SEALED_SUFFIX = ".xz"  # results.jsonl.xz: a finished sweep's rows, compressed (`seal_rows`)
+MAX_SEALED_BYTES = 256 * 2**20  # a sealed file larger than this (compressed) is refused unread
+
+
+def sealed_file(results_path: Path) -> Path:
+    """Where a results file's rows lie once sealed (`seal_rows`)."""
+    results_path = Path(results_path)
+    return results_path.with_name(results_path.name + SEALED_SUFFIX)
+
+
+def has_rows(results_path: Path) -> bool:
+    """Whether a results file (plain, or sealed) holds any bytes of rows."""
+    results_path = Path(results_path)
+    return any(p.exists() and p.stat().st_size > 0 for p in (results_path, sealed_file(results_path)))
+
+
+def read_sealed(path: Path, max_bytes: int = MAX_RESULTS_BYTES) -> bytes:
+    """The rows' text of a sealed results file (`seal_rows`). ValueError naming the path if it is not a
+    regular file, is damaged, or holds more than `max_bytes` of text (checked while decompressing, so a
+    small file that expands without bound is refused, not read into memory)."""
+    packed = read_regular_file(path, MAX_SEALED_BYTES, "sealed results file")
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    try:
+        data = decompressor.decompress(packed, max_length=max_bytes + 1)
+    except lzma.LZMAError as err:
+        raise ValueError(f"{path} is damaged ({err})") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} holds more than {max_bytes:,} bytes of rows, a results file's limit")
+    if not decompressor.eof or decompressor.unused_data:
+        raise ValueError(f"{path} is damaged (cut short, or bytes after its end)")
+    return data
+
+
+def refuse_sealed(results_path: Path) -> None:
+    """ValueError with the way out if a results file is sealed (its rows are read-only)."""
+    sealed = sealed_file(results_path)
+    if sealed.exists():
+        raise ValueError(f"{Path(results_path).parent}'s rows are sealed ({sealed.name}) and read-only; to "
+                         f"add rows, unseal them: python scripts/compact_steps.py --unseal "
+                         f"{Path(results_path).parent}")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole or keeps what it held: written beside, fsync'ed, renamed over."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal_rows(results_path: Path) -> Path:
+    """Compress a finished sweep's results file into results.jsonl.xz (a tenth of its size) and remove
+    the plain file; readers (`scan_rows`) read either the same way. A sealed sweep is read-only
+    (`ResultsFile` refuses it) until `unseal_rows`. Each step leaves complete files: the sealed file is
+    renamed into place before the plain one goes, so an interrupted seal leaves both, holding the same
+    rows (the plain one is read; sealing again finishes). Runs under the sweep's `DirectoryLock`."""
+    results_path = Path(results_path)
+    with DirectoryLock(results_path.parent):
+        if not results_path.exists():
+            raise FileNotFoundError(f"{results_path} does not exist (already sealed?)")
+        data = read_regular_file(results_path, MAX_RESULTS_BYTES, "results file")
+        if data and not data.endswith(b"\n"):
+            raise ValueError(f"{results_path} ends in a partial line: resume the sweep, or cut it, first")
+        packed = lzma.compress(data, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
+        sealed = sealed_file(results_path)
+        _write_atomic(sealed, packed)
+        if read_sealed(sealed) != data:
+            raise ValueError(f"{sealed} does not read back as {results_path}; the plain file is kept")
+        results_path.unlink()
+    return sealed
+
+
+def unseal_rows(results_path: Path) -> Path:
+    """`seal_rows`' inverse: results.jsonl again from its sealed file, which is then removed."""
+    results_path = Path(results_path)
+    sealed = sealed_file(results_path)
+    with DirectoryLock(results_path.parent):
+        data = read_sealed(sealed)
+        if results_path.exists() and read_regular_file(results_path, MAX_RESULTS_BYTES) != data:
+            raise ValueError(f"{results_path} and {sealed} both exist and differ; keep the right one")
+        _write_atomic(results_path, data)
+        sealed.unlink()
+    return results_path
+
+
 def results_file(location: str | Path) -> Path:
     """A sweep's results file, given its --out directory or the file itself."""
     location = Path(location)
-    return location / "results.jsonl" if location.is_dir() else location
+    if location.is_dir():
+        return location / "results.jsonl"
+    return location.with_name(location.name[:-len(SEALED_SUFFIX)]) if location.name.endswith(
+        "results.jsonl" + SEALED_SUFFIX) else location
 
 
 def read_rows(path: Path, max_new_tokens: int | None = None) -> list[dict]:
@@ -374,6 +474,7 @@ class ResultsFile:
         """compact_steps: a row's steps go to steps.bin (`stepstore`), the row keeps a pointer."""
         self.path, self.compact_steps = path, compact_steps
         path.parent.mkdir(parents=True, exist_ok=True)
+        refuse_sealed(path)
         self._repair()
         scan = scan_rows(path, check=lambda row: None if row.get("schema") != SCHEMA_VERSION
                          else row_problem(row, max_new_tokens))  # another schema: refused below

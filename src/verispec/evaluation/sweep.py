@@ -30,10 +30,12 @@ from verispec.evaluation.store import (
     DirectoryLock,
     ResultsFile,
     check_schema,
+    has_rows,
     read_regular_file,
     read_rows,
     record_run,
     reference_row,
+    refuse_sealed,
     results_file,
     scan_rows,
 )
@@ -153,15 +155,16 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
         raise PermissionError(f"cannot write to the output directory {out_dir}: permission denied")
     spec_path, results_path = out_dir / "sweep.json", out_dir / "results.jsonl"
     with DirectoryLock(out_dir):
-        has_rows = results_path.exists() and results_path.stat().st_size > 0
-        if has_rows and not resume:
+        refuse_sealed(results_path)  # before any model loads
+        held = has_rows(results_path)
+        if held and not resume:
             raise FileExistsError(f"{results_path} already has results: pass --resume to continue it, "
                                   "or use a new --out")
-        if has_rows and not spec_path.exists():
+        if held and not spec_path.exists():
             raise ValueError(f"{results_path} has results but {spec_path} is missing: "
                              "cannot tell which sweep they "
                              "belong to, so refusing to resume; use a new --out")
-        if has_rows:
+        if held:
             check_config_ids(results_path, spec.configs())
             # everything but the backend (known once the models are loaded), before anything loads
             _check_resumable(spec_path, spec, ignore_backend=True, suite_file=suite_file)
@@ -179,7 +182,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, resume: bool = False, progre
                 else LocalExecutor(spec, suite, max_new))
         with pool:
             spec = replace(spec, backend=str(pool.backend))
-            if has_rows:
+            if held:
                 _check_resumable(spec_path, spec, suite_file=suite_file)
                 check_rows_belong(results_path, {unit_key(spec, item, seed, c) for _, item, seed, c in units},
                                   max_new)
@@ -201,7 +204,7 @@ def read_reusable(sources, results_path: Path) -> list[tuple[str, Path]]:
     out = []
     for source in [sources] if isinstance(sources, (str, Path)) else list(sources):
         path = results_file(source)
-        if not path.is_file():
+        if not has_rows(path) and not path.is_file():
             raise FileNotFoundError(f"--reuse-from: no results file at {path} (give another sweep's --out "
                                     "directory)")
         if results_path.exists() and path.resolve() == results_path.resolve():
