@@ -73,7 +73,8 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
             if _report(sweep, Path(pages)) != _report(work, Path(pages)):
                 raise SystemExit(f"{sweep}: the report would read differently once compacted; nothing "
                                  "changed")
-        os.replace(work / STEPS_FILE, sweep / STEPS_FILE)
+        if (work / STEPS_FILE).exists():  # a sweep of references alone has none
+            os.replace(work / STEPS_FILE, sweep / STEPS_FILE)
         if seal:
             os.replace(sealed_file(work / RESULTS), sealed_file(results))
             if read_sealed(sealed_file(results)) != (b"".join(line + b"\n" for line in lines)):

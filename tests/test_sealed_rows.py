@@ -67,7 +67,9 @@ def test_references_into_a_sealed_sibling_resolve(tmp_path):
     write(tmp_path / "a" / "results.jsonl", [source])
     mine = write(tmp_path / "b" / "results.jsonl", [{"schema": 2, "unit": "u1", SAME_AS: "a", "run": "r"}])
     seal_rows(tmp_path / "a" / "results.jsonl")
-    seal_rows(mine)
+    (tmp_path / "b" / "sweep.json").write_text("{}")
+    assert load_script("compact_steps").compact(tmp_path / "b", check=False, seal=True)[:2] == (1, 0)
+    assert not (tmp_path / "b" / "steps.bin").exists()  # references alone: nothing to move
     assert read_rows(mine) == [{**source, "run": "r"}]
 
 
