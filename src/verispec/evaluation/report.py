@@ -111,6 +111,12 @@ def _num(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
 
 
+def _ratio(value) -> str:
+    """An overshoot ratio: two decimals, or three significant digits once it is large (9.07e+09, not
+    digits the stored float32 does not hold)."""
+    return _num(value, ".2f" if isinstance(value, (int, float)) and abs(value) < 1000 else ".3g")
+
+
 def _against(s: dict, baseline: str) -> str:
     """A row's score against its baseline in words: its paired difference, and whether it is below."""
     diff, half = s.get("score_diff"), s.get("score_diff_ci")
@@ -144,14 +150,14 @@ def story(summary: list[dict]) -> list[str]:
     collaborative = [s for s in summary if s["family"] == "collaborative"]
     for s in collaborative:
         capped = s["rule"].startswith("lenience")
-        lines.append(f"collaborative {s['rule']}: overshoot p95 {_num(s['overshoot_p95'], '.2f')} ("
+        lines.append(f"collaborative {s['rule']}: overshoot p95 {_ratio(s['overshoot_p95'])} ("
                      + ("capped at 1/l" if capped else "not capped") + f"), TV {_num(s['tv'], '.3f')}, "
                      f"{_num(s['speedup'], '.2f')}x plain's speed; " + _against(s, "lossless"))
     for s in (s for s in summary if s["rule"].startswith("budget")):
         bound = s["rule"].split("tv=")[1].split(",")[0] if "tv=" in s["rule"] else "?"
         within = isinstance(s["tv"], float) and s["tv"] <= float(bound) + 1e-9 if bound != "?" else False
         lines.append(f"bounded {s['rule']}: TV {_num(s['tv'], '.3f')} ({'within' if within else 'over'} its "
-                     f"bound {bound}), overshoot p95 {_num(s['overshoot_p95'], '.2f')}, "
+                     f"bound {bound}), overshoot p95 {_ratio(s['overshoot_p95'])}, "
                      f"{_num(s['speedup'], '.2f')}x plain's speed; " + _against(s, "lossless"))
     for s in (s for s in summary if s["rule"] == "lossless"):
         lines.append(f"lossless: TV {_num(s['tv'], '.3f')} (exact), {_num(s['speedup'], '.2f')}x plain's "
