@@ -9,7 +9,7 @@ across plans (docs/findings.md, 'Findings on the Qwen2.5-Coder pair'). A reading
 interim look
 (MT-Bench seed 0: look 1, 40 questions) is taken on that look's prefix, where its Holm p was computed;
 one read at a later look after other comparisons were rejected at an earlier one (MT-Bench T = 0.7: cos
-at look 1) takes Holm over the comparisons still open, as the report does (docs/design.md, 'Planned
+at look 1) takes Holm over the comparisons still open, as the report does (docs/design/evaluation.md, 'Planned
 comparisons').
 
     python benchmarks/across_settings.py

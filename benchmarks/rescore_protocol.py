@@ -1,4 +1,5 @@
-"""Re-score a HumanEval sweep's rows under both code-task protocols (docs/design.md, 'Code-task protocol').
+"""Re-score a HumanEval sweep's rows under both code-task protocols (docs/design/evaluation.md,
+'Code-task protocol').
 
     python benchmarks/rescore_protocol.py benchmarks/sweeps/qwen-humaneval-core [--compare A:B ...]
 

@@ -15,7 +15,7 @@ alike. Per configuration and repetition: tokens per target call, drafted tokens 
 clock of the whole decode, drafting and verification included) and, for the lossy rules (two rules on a
 top-k and a dynamic tree beside their chain versions), the exact per-token TV and overshoot (max law/p)
 and the sequence log-ratio (mean over rows of the sum of log law - log p, the path-level KL estimate;
-docs/design.md, 'Diagnostics').
+docs/design/diagnostics.md, 'Diagnostics').
 Printed: medians over repetitions with [min, max]. At --temperature 0 every configuration is greedy
 decoding, so its tokens are compared with plain greedy decoding's on the same backend and dtype; for a
 row that differs, the first differing position and the target's top-2 logit margin there are printed

@@ -88,7 +88,8 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", type=Path)
-    parser.add_argument("--seal", action="store_true", help="also compress the rows (read-only until --unseal)")
+    parser.add_argument("--seal", action="store_true",
+                        help="also compress the rows (read-only until --unseal)")
     parser.add_argument("--unseal", action="store_true", help="make sealed rows plain (appendable) again")
     parser.add_argument("--check", action="store_true", help="change nothing; print what would change")
     args = parser.parse_args()

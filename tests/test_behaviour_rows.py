@@ -2,8 +2,8 @@
 `top_behaviour_logprobs` of `verispec serve` reports), on the toy pair. Each row is a probability law,
 its value at the token is the decode loop's own record `exp(steps["log_law"])`, it is the target's row
 for a lossless rule and plain decoding, and differs from it under a lossy rule where a draft was made;
-`token_logprobs`' top_behaviour is that row's top (docs/design.md, 'Log-probabilities and importance
-weights')."""
+`token_logprobs`' top_behaviour is that row's top (docs/design/diagnostics.md, 'Log-probabilities and
+importance weights')."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The models on a CUDA device (`--device cuda`, `generate(device="cuda")`): the same engine, rules and
-laws as on the CPU (the rule maths run on the CPU, on float32 logits copied back; docs/design.md, 'Token
+laws as on the CPU (the rule maths run on the CPU, on float32 logits copied back; docs/design/rules.md, 'Token
 roles'). Skipped where torch sees no CUDA device, as in CI; on a GPU machine run
 `pytest tests/test_cuda.py -n 0 -s` (the `-s` shows the measured differences). What it pins down:
 

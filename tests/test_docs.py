@@ -10,8 +10,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md"))
-CITATION = re.compile(r"(docs/[\w.-]+\.md|README(?:\.md)?),\s+(['\"])([^'\"]+?)\2")
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+# "docs/design/rules.md, 'Token roles'" or "..., section 'Token roles'" (the title may wrap a line)
+CITATION = re.compile(r"(docs/[\w./-]+\.md|README(?:\.md)?),\s+(?:section\s+)?(['\"])(\S[^'\"]*?)\2")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 

@@ -1,6 +1,6 @@
 """The importance weight exp(-log_ratio) of lossy rollouts on the default (Shakespeare) pair estimates
-target expectations (docs/design.md, 'Log-probabilities and importance weights'); the toy-pair check
-is tests/test_importance_weights.py.
+target expectations (docs/design/diagnostics.md, 'Log-probabilities and importance weights'); the toy-pair
+check is tests/test_importance_weights.py.
 
 Three tokens at k = 2, so the first block drafts positions 1 and 2 and both are verified by the lossy
 rule (a one-token decode tests nothing: no draft is made for the last token). The quantities are

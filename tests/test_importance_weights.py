@@ -1,6 +1,6 @@
 """The behaviour log-probabilities the decode loop records per token (`steps["log_law"]`, returned by
 `verispec serve` as `behaviour_logprobs`) give an unbiased importance weight against the target
-(docs/design.md, 'Log-probabilities and importance weights'): from lossy rollouts on the toy pair,
+(docs/design/diagnostics.md, 'Log-probabilities and importance weights'): from lossy rollouts on the toy pair,
 the mean of exp(-log_ratio) * f(x) estimates E_target[f(x)]. Checked against the target's exact law
 (enumeration) within 4 standard errors; the unweighted estimate and a deliberately wrong weight (the
 sign of log_ratio flipped) must fail the same check (power). Fixed seeds."""

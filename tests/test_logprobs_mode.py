@@ -1,5 +1,5 @@
 """What `token_logprobs` shows in each logprobs mode (vLLM's `logprobs_mode`; `verispec serve
---logprobs-mode`, docs/design.md, 'Log-probabilities and importance weights'), checked against the
+--logprobs-mode`, docs/design/diagnostics.md, 'Log-probabilities and importance weights'), checked against the
 target's logits recomputed from scratch for the generated sequence: raw log-probs (the default),
 processed log-probs (the sampling settings applied), raw logits and processed logits (divided by the
 temperature, -inf outside the processed law's support); the top values are each row's largest; the

@@ -1,6 +1,6 @@
 """Batched verification: per-row generators, rows with K = 0 drafts, ragged draft lengths (-1 padding).
 
-The convention (docs/design.md, section 'Token roles'): row i has k_i real drafts then -1; it uses
+The convention (docs/design/rules.md, section 'Token roles'): row i has k_i real drafts then -1; it uses
 uniforms[i, :k_i] for its drafts and uniforms[i, k_i] for its recovered/bonus token, and with per-row
 generators draws exactly k_i + 1 uniforms from its own generator. So a row verified in a batch equals
 the same row verified alone (B=1, K=k_i) with the same generator state; padded rows of draft_probs and

@@ -185,7 +185,8 @@ def test_committed_humaneval_rows_score_the_same_in_the_sandbox(suite_name):
     items = {item.id: item for item in suite.items}
     rows = []
     for spec in sorted((REPO / "benchmarks" / "sweeps").glob("*/sweep.json")):  # plain or sealed rows
-        rows += [r for r in read_rows(spec.parent / "results.jsonl") if r["suite"] == suite_name]  # references resolved
+        # references resolved
+        rows += [r for r in read_rows(spec.parent / "results.jsonl") if r["suite"] == suite_name]
     if not rows:
         pytest.skip(f"no committed {suite_name} rows")
     sample = rows[:: max(1, len(rows) // RESCORE_SAMPLE)][:RESCORE_SAMPLE]  # fixed: every n-th row

@@ -25,7 +25,8 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_seal_and_unseal_round_trip_bytes_and_rows(tmp_path):
-    path = write(tmp_path / "s" / "results.jsonl", [results_row("u1"), results_row("u2", mean_tv=float("nan"))])
+    path = write(tmp_path / "s" / "results.jsonl",
+                 [results_row("u1"), results_row("u2", mean_tv=float("nan"))])
     data, rows = path.read_bytes(), read_rows(path)
     sealed = seal_rows(path)
     assert sealed == sealed_file(path) and sealed.name == "results.jsonl.xz"
@@ -91,7 +92,7 @@ def test_damaged_truncated_or_oversized_sealed_rows_are_refused_with_the_path(tm
 def test_an_interrupted_seal_reads_the_plain_rows_and_sealing_again_finishes(tmp_path):
     path = write(tmp_path / "s" / "results.jsonl", [results_row("u1")])
     data = path.read_bytes()
-    sealed_file(path).write_bytes(lzma.compress(data))  # the sealed file renamed in, the plain one not yet gone
+    sealed_file(path).write_bytes(lzma.compress(data))  # the sealed file renamed in, the plain one still here
     assert [r["unit"] for r in read_rows(path)] == ["u1"]
     seal_rows(path)
     assert not path.exists() and read_sealed(sealed_file(path)) == data

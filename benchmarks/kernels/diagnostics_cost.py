@@ -1,4 +1,5 @@
-"""Cost of the exact per-position diagnostics (docs/design.md, 'Diagnostics') at the Qwen pair's size.
+"""Cost of the exact per-position diagnostics (docs/design/diagnostics.md, 'Diagnostics') at the Qwen
+pair's size.
 
     python benchmarks/kernels/diagnostics_cost.py [--shape 40 151936] [--reps 7]
 

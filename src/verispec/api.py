@@ -237,7 +237,7 @@ def _check_generate_args(target, draft, rule, k, max_new_tokens, sampling: dict,
 
 
 def draft_shape(tree: str | None = None, drafts: str | None = None) -> DraftShape | None:
-    """The draft shape of `generate(tree=..., drafts=...)` (docs/design.md, 'Trees'): tree="4,2,2,1",
+    """The draft shape of `generate(tree=..., drafts=...)` (docs/design/trees.md, 'Trees'): tree="4,2,2,1",
     "widths=4,2,2,1" or "tree:widths=4,2,2,1"; EAGLE-2's dynamic tree "nodes=16,depth=5,topk=4" or
     "tree:nodes=16,depth=5,topk=4"; drafts="n=3[,replacement=0][,depth=D]" or "drafts:n=3"."""
     if tree is not None and drafts is not None:
@@ -379,7 +379,7 @@ def generate(
     prompts -> a list of results, decoded `batch_size` rows at a time (continuous batching). Row i
     uses seed `seed + i` (or `seed[i]` when a list is given) and its own generator, so it equals
     `generate(prompt[i], seed=seed + i)` alone wherever the numerics allow it (batched matmuls round
-    differently: docs/design.md, 'Token roles').
+    differently: docs/design/rules.md, 'Token roles').
 
     draft="auto" picks the target's default drafter, exactly as `verispec run` does without --draft.
 
@@ -391,7 +391,7 @@ def generate(
     run, so k="auto" results are not token-reproducible from the seed alone (their law is the rule's).
 
     tree="4,2,2,1" (or "widths=4,2,2,1") drafts a top-k token tree per block, tree="nodes=16,depth=5,
-    topk=4" EAGLE-2's dynamic tree, drafts="n=3" three sampled chains of k tokens (docs/design.md,
+    topk=4" EAGLE-2's dynamic tree, drafts="n=3" three sampled chains of k tokens (docs/design/trees.md,
     'Trees'); `rule` is then a tree rule (lossless, greedy, lenience:l=, ..., or traversal), and lossy
     ones need a deterministic (top-k or dynamic) tree.
 

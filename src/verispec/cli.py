@@ -125,8 +125,8 @@ def resolve_model_args(args: argparse.Namespace, check_memory: bool) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-engine", default=None, choices=engine_names(),
-                        help="an engine's speculative settings as verispec's rule (docs/design.md, "
-                             "'Engine presets')")
+                        help="an engine's speculative settings as verispec's rule "
+                             "(docs/design/diagnostics.md, 'Engine presets')")
     parser.add_argument("--engine-flags", default=None, metavar="FLAGS",
                         help="the engine's flags as it spells them, e.g. '--speculative-accept-threshold-"
                              "single 0.5' or 'rejection_sample_method=fly,num_speculative_tokens=8' or JSON")

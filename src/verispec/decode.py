@@ -10,7 +10,7 @@ token. Model sessions hold KV caches that follow the committed sequence by cropp
 and a single prompt is a batch of one. Plain decoding of the target (no drafter, no rule) is its
 own mode of the same loop. Each row draws from its own generator in a fixed order, so a row's
 tokens do not depend on the other rows (up to the float rounding of batched matmuls:
-docs/design.md, 'Token roles'). `decode_prompts` runs a list of prompts through it; the api,
+docs/design/rules.md, 'Token roles'). `decode_prompts` runs a list of prompts through it; the api,
 sweeps, the server and Ray workers all decode through this one class.
 
 Every emitted position is recorded with its exact shift statistics (`verispec.diagnostics.shift`):
@@ -211,9 +211,9 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
     - rule, lossless: the rule's spec and whether its output law is the target's (plain: lossless);
     - drafted / accepted tokens, acceptance_rate, tokens_per_target_call (block efficiency);
     - mean_tv, mean_kl: exact per-token TV / KL of the emitted tokens' laws to the processed target,
-      averaged over the response's tokens; max_overshoot: max law/p over them (docs/design.md,
+      averaged over the response's tokens; max_overshoot: max law/p over them (docs/design/diagnostics.md,
       'Diagnostics'); log_ratio: the exact path-level log-likelihood ratio of the response against
-      the target (docs/design.md, 'Rule anatomy'), and log_ratio_per_token. None without diagnostics;
+      the target (docs/design/rules.md, 'Rule anatomy'), and log_ratio_per_token. None without diagnostics;
     - tree: the draft shape of a tree-mode run (`tree:widths=...`, `drafts:n=...`), else None; then
       drafted_tokens counts tree nodes and acceptance_per_position is per depth;
     - acceptance_per_position: for draft positions j = 1..k: `drafts`, the blocks that proposed at
@@ -224,7 +224,7 @@ def verification_report(gen: Generation, max_new_tokens: int | None = None, k: i
       acceptance at j among blocks that drafted that far (None if none did);
     - certificate: for a `budget` rule, TV(response law, target's response law) <= n * tv with
       n = max_new_tokens (the maximum length: with a stop token, responses are padded to it;
-      docs/design.md, 'Certificate'), and KL(law_t || p_t) <= log(1 + ratio * tv) per token;
+      docs/design/rules.md, 'Certificate'), and KL(law_t || p_t) <= log(1 + ratio * tv) per token;
       None for other rules, and its bound None when max_new_tokens is unknown and the response stopped
       early (its own length is not a valid n then); `warning` says when n * tv >= 1 (a bound of 1
       certifies nothing), else None.

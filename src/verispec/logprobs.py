@@ -1,6 +1,7 @@
 """Per-token log-probabilities of a generation, with the law each token was actually drawn from
-(docs/design.md, 'Log-probabilities and importance weights'): `verispec run --json`, `GenerateResult.
-to_json` and `verispec serve`'s `logprobs` (verispec.serving.logprobs formats them as OpenAI's).
+(docs/design/diagnostics.md, 'Log-probabilities and importance weights'): `verispec run --json`,
+`GenerateResult.to_json` and `verispec serve`'s `logprobs` (verispec.serving.logprobs formats them as
+OpenAI's).
 
 For every token `x_t`: `processed_logprob` = log p_t(x_t) under the processed target (the sampling
 settings applied: the law lossless decoding draws from), `behaviour_logprob` = log law_t(x_t), the exact
@@ -126,7 +127,7 @@ def token_logprobs(gen: Generation, returned: int, top: int = 0, decode=None,
 
 def behaviour_rows(gen: Generation, returned: int, start: int = 0) -> torch.Tensor:
     """The full behaviour law of returned tokens start..returned, [returned - start, V] float64: the law
-    the rule drew the token from given the decoder's state (docs/design.md, 'Rule anatomy'):
+    the rule drew the token from given the decoder's state (docs/design/rules.md, 'Rule anatomy'):
     `rule.emitted_law(p, q)` at a draft position (role accepted or recovered), `rule.bonus_law(p)` at a
     bonus position, p itself for a lossless rule or plain decoding. The same laws as
     `verispec.diagnostics.shift.position_stats`, whose value at the token is `steps["log_law"]`.

@@ -1,5 +1,5 @@
 """Joining a Ray cluster, shared by the Ray sweep executor (`verispec bench --executor ray`) and
-`verispec serve --ray` (docs/design.md, 'Sweeps on Ray' and 'Serving on Ray').
+`verispec serve --ray` (docs/design/evaluation.md, 'Sweeps on Ray' and 'Serving on Ray').
 
 Ray is optional (`pip install "verispec[ray]"`) and imported only through `require`. An address is
 checked with a TCP connection before `ray.init`, which would otherwise retry an unreachable address for

@@ -1,5 +1,5 @@
-"""`verispec audit`: does a serving engine's output follow the law it claims? (docs/design.md, 'Auditing
-an engine')."""
+"""`verispec audit`: does a serving engine's output follow the law it claims? (docs/design/diagnostics.md,
+'Auditing an engine')."""
 
 from verispec.audit.endpoint import Endpoint, EndpointError, request_fields, setting_name
 from verispec.audit.run import AuditConfig, AuditError, load_prompts, render, render_html, run_audit

@@ -1,5 +1,5 @@
 """`verispec audit`: sample replies from a serving endpoint and test that they follow the law it claims
-(docs/design.md, 'Auditing an engine').
+(docs/design/diagnostics.md, 'Auditing an engine').
 
 For each sampling setting (temperature, top-k, top-p, min-p) the endpoint is asked for `samples` replies
 (prompts in turn, seeds `seed`, `seed + 1`, ...); each reply's prompt + tokens go through the reference

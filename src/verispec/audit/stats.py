@@ -1,5 +1,5 @@
-"""The audit's statistics: does a stream of replies follow the law a sampler claims? (docs/design.md,
-'Auditing an engine').
+"""The audit's statistics: does a stream of replies follow the law a sampler claims?
+(docs/design/diagnostics.md, 'Auditing an engine').
 
 Each reply brings, at each of its n emitted positions, the claimed law [n, V] (the reference target's
 logits, processed by the request's temperature / top-k / top-p / min-p) and the emitted tokens [n]; a

@@ -1,4 +1,4 @@
-"""Diagnostics: distances between laws and the shift a verification rule causes (docs/design.md,
+"""Diagnostics: distances between laws and the shift a verification rule causes (docs/design/diagnostics.md,
 section 'Diagnostics')."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Whether emitted tokens follow a claimed law, tested on the tokens alone (docs/design.md, 'Checking a
-sampler on real models').
+"""Whether emitted tokens follow a claimed law, tested on the tokens alone (docs/design/diagnostics.md,
+'Checking a sampler on real models').
 
 A sampler that claims x_t ~ law_t given x_<t (lossless speculative decoding claims law_t = the processed
 target, Leviathan et al. 2023, Theorem 1) can be checked on its output with two statistics per token:

@@ -1,11 +1,12 @@
-"""Per-position shift of a verification rule on a real run (docs/design.md, section 'Diagnostics').
+"""Per-position shift of a verification rule on a real run (docs/design/diagnostics.md, section
+'Diagnostics').
 
 At every emitted position the token's exact law given its prefix is known: `rule.emitted(p, q)` at a
 draft position (accepted or recovered token), the rule's bonus law (p for every rule but greedy) at
 the bonus position. From it, in float64: TV and KL to the target, TV to the rule's honest baseline,
 overshoot (max law/p, mass on tokens with p below a tail threshold), the token's log-likelihood
 ratio log law(x) - log p(x) (summed over a sequence and averaged over samples: an unbiased estimate
-of the path-level KL, an upper bound on the sequence-level KL(rule || target); docs/design.md, 'Rule
+of the path-level KL, an upper bound on the sequence-level KL(rule || target); docs/design/rules.md, 'Rule
 anatomy'), and acceptance expected vs realised.
 """
 
@@ -62,13 +63,12 @@ def _lossless_stats(target_probs: Tensor, draft_probs: Tensor, tokens: Tensor, r
 def shift_distances(law: Tensor, target_probs: Tensor, baseline_law: Tensor | None) -> dict:
     """tv, kl, max_ratio, tail_mass of law [n, V] against target_probs [n, V] (float64 rows; p below), and
     tv_baseline against baseline_law [n, V] (None: NaN), with the definitions of `verispec.probability`
-    (docs/design.md, 'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes from
-    float32 rows) take one ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two) and
-    the overshoot: 0.38x
-    the separate functions' time at Qwen's vocabulary (benchmarks/kernels/diagnostics_cost.py), equal to them
-    within float64 rounding (tests). Other rows (a zero in p: a truncated target, an underflowed
-    softmax) go through the separate functions, which clamp p at 1e-300 and hold the +inf cases. law is
-    a law (finite, >= 0), as position_stats builds it."""
+    (docs/design/diagnostics.md, 'Diagnostics'). Rows where p >= 1e-300 everywhere (the usual case: p comes
+    from float32 rows) take one ratio `law / p` shared by KL (xlogy(law, law / p), one log instead of two)
+    and the overshoot: 0.38x the separate functions' time at Qwen's vocabulary
+    (benchmarks/kernels/diagnostics_cost.py), equal to them within float64 rounding (tests). Other rows (a
+    zero in p: a truncated target, an underflowed softmax) go through the separate functions, which clamp
+    p at 1e-300 and hold the +inf cases. law is a law (finite, >= 0), as position_stats builds it."""
     p, base = target_probs, baseline_law
     n = p.shape[0]
     out = {"tv": (law - p).abs_().sum(-1) / 2,

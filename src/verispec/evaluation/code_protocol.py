@@ -3,7 +3,7 @@
 Instruct models asked for a function in a code block often append example calls, prints or asserts of
 their own, and a length cap can cut such a self-test mid-token: the whole program is then a
 SyntaxError, and a correct function fails through length, not through wrong code. The
-protocol removes that confound in two places (docs/design.md, 'Code-task protocol'):
+protocol removes that confound in two places (docs/design/evaluation.md, 'Code-task protocol'):
 
 - `fence_stop(decode)`: a `DecodeConfig.stop_check` that ends a row at the token completing the
   closing ``` of the reply's first fenced code block (that token is kept even when it carries more

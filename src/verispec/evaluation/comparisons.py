@@ -1,5 +1,5 @@
-"""The report's outcome and comparison tables (docs/design.md, 'Planned comparisons'): length outcomes
-per configuration (cap-hit, output length, stopped by itself) paired against the baseline, and the
+"""The report's outcome and comparison tables (docs/design/evaluation.md, 'Planned comparisons'): length
+outcomes per configuration (cap-hit, output length, stopped by itself) paired against the baseline, and the
 planned comparisons a sweep declares up front (`verispec bench --compare A:B`), each per seed and pooled
 over (problem x seed) with the test clustered by problem, Holm-corrected over the declared family, with
 an optional group-sequential threshold for interim looks (a comparison rejected at an earlier look stays
@@ -639,7 +639,7 @@ def _rule_configs(rows: list[dict], baseline_of) -> list[tuple[tuple, str]]:
     truncation rule's honest truncation sampler, lossless SD for the others (collaborative, bounded),
     where the baseline has rows at the rule's k and temperature (what `_differences` pairs); truncation
     rules first. Tree rows are left out: a tree has no honest baseline nor one single-draft law
-    (docs/design.md, 'Trees')."""
+    (docs/design/trees.md, 'Trees')."""
     configs = list(dict.fromkeys(config_key(r) for r in rows if not r.get("tree")))
     present = {key[:3] for key in configs}
     out = []

@@ -1,6 +1,6 @@
 """The Ray executor of a sweep (`verispec bench --executor ray`): work units decoded by Ray actors.
 
-How the work splits (docs/design.md, 'Sweeps on Ray'):
+How the work splits (docs/design/evaluation.md, 'Sweeps on Ray'):
 
 - **Workers.** Each worker is a Ray actor (`SweepWorker`) that loads the model pair once, exactly as
   `run_sweep` does (`resolve_target` / `resolve_drafter`, the sweep's device and dtypes), encodes the

@@ -1,6 +1,6 @@
 """Statistics of the reports and planned comparisons: intervals (Student's t, Wilson's, Newcombe's paired
 one), McNemar's exact test, Holm's correction, group-sequential thresholds, a paired test clustered by
-problem, and the minimum detectable effect. Pure functions (docs/design.md, 'Planned comparisons';
+problem, and the minimum detectable effect. Pure functions (docs/design/evaluation.md, 'Planned comparisons';
 `verispec.evaluation.summary` applies them to a sweep's rows).
 
 The paired test is the cluster-robust paired t-test on cluster means: each problem's difference

@@ -1,6 +1,6 @@
 """Compact storage of a row's per-position arrays (`steps`) and its token ids: columns in a compressed
-binary file beside the results, so a sweep adds a few MB rather than tens (docs/design.md, 'Sweep units
-and reuse').
+binary file beside the results, so a sweep adds a few MB rather than tens (docs/design/evaluation.md,
+'Sweep units and reuse').
 
 `steps.bin` is append-only: each row's steps (and, in another record, its token ids) are one compressed
 record: a JSON header naming each column and its type, then the columns (float32 numbers and int32 ids

@@ -175,7 +175,8 @@ def _execution_score(program_of: Callable[[str, Item], str], timeout: float = 10
         # and the report counts such rows (`report.timeout_notes`)
         metrics: dict = {"pass_at_1": float(outcome.passed), "timed_out": float(outcome.limit == "timeout")}
         if outcome.limit not in (None, "timeout"):
-            metrics["error"] = outcome.limit  # a sandbox limit broken (docs/design.md, 'Code sandbox')
+            # a sandbox limit broken (docs/design/evaluation.md, 'Code sandbox')
+            metrics["error"] = outcome.limit
         return metrics
     return score
 
@@ -216,7 +217,7 @@ def humaneval() -> Suite:
 
 
 # The sanitised protocol's cap: long enough that a reply stopped at its first closing fence rarely
-# reaches it (docs/design.md, 'Code-task protocol', measured on the committed Qwen rows).
+# reaches it (docs/design/evaluation.md, 'Code-task protocol', measured on the committed Qwen rows).
 SANITIZED_MAX_NEW_TOKENS = 768
 
 

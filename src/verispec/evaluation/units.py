@@ -4,7 +4,7 @@ settings), its key, how a batch of units is decoded into rows, and the local exe
 Both executors (`LocalExecutor` here, `verispec.evaluation.ray_executor.RayPool` on Ray actors) hand
 out the same work units (`work_units`) and decode them with the same function (`decode_rows`), so
 their rows are the same; `verispec.evaluation.sweep.run_sweep` drives either through one interface.
-Definitions: docs/design.md, 'Sweep units and reuse'.
+Definitions: docs/design/evaluation.md, 'Sweep units and reuse'.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def load_pair(spec: SweepSpec, suite: Suite) -> tuple:
 class LocalExecutor:
     """The local executor: loads the pair in this process and decodes the work units here. The same
     interface as the Ray executor's `RayPool` (a context manager with `backend` and `run_units`), so
-    `run_sweep` drives both alike (docs/design.md, 'Sweeps on Ray')."""
+    `run_sweep` drives both alike (docs/design/evaluation.md, 'Sweeps on Ray')."""
 
     def __init__(self, spec: SweepSpec, suite: Suite, max_new: int):
         self.spec, self.suite, self.max_new = spec, suite, max_new
@@ -349,7 +349,7 @@ class LocalExecutor:
     configuration runs on the same rows back to back, so speed is compared interleaved and at the same
     batch size. Each row draws from its own generator, seeded by (seed, prompt index), so
     its tokens do not depend on the batch it lands in (up to float rounding of different
-    matmul shapes: docs/design.md, 'Token roles'). Each row records its batch's size and wall time.
+    matmul shapes: docs/design/rules.md, 'Token roles'). Each row records its batch's size and wall time.
     `on_start` is called once before the first unit decodes, and not at all when none is left (the
     sweep records its run there: a run that decodes nothing leaves no record)."""
         with ResultsFile(results_path, self.max_new) as store:

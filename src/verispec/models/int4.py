@@ -21,7 +21,7 @@ codes, scales and mins, or None to keep it dense):
 The kernel computes each output row from its own input row only (no split of the reduction by the
 row count), so a one-token step and a (k+1)-token verification give bit-identical rows at these
 matmuls (tests/test_int4.py). Attention still rounds a query by the query count, so greedy SD equals
-greedy decoding but at near ties (docs/design.md, 'Weights and kernels of the lean forward').
+greedy decoding but at near ties (docs/design/engine.md, 'Weights and kernels of the lean forward').
 """
 
 from __future__ import annotations

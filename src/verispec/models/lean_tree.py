@@ -1,6 +1,6 @@
 """Tree attention for the lean forward: one target pass scores every node of a token tree.
 
-docs/design.md, section 'Trees'. Row b feeds M tree nodes after its cached prefix (cache slot
+docs/design/trees.md, section 'Trees'. Row b feeds M tree nodes after its cached prefix (cache slot
 slots[b] of a `LeanBatchCache`, prefix length L_b = cache.lengths[slots[b]]; or row b of the batch-1
 session's `LeanCache`, L_b = cache.length). parents[b, i] is -1 for a node attached
 directly to the prefix (the tree's root: the last committed token) and otherwise the index of an

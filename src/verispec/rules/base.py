@@ -1,7 +1,8 @@
 """The verification-rule interface and the generic token-level sampling path.
 
 At one draft position a single-draft verification rule is two functions of the target distribution
-`p` (target_probs) and the draft distribution `q` (draft_probs) (docs/design.md, section 'Rule anatomy'):
+`p` (target_probs) and the draft distribution `q` (draft_probs) (docs/design/rules.md, section
+'Rule anatomy'):
 
     accept(p, q)[x]   probability that the drafted token x is kept;
     residual(p, q)    the distribution resampled from after a rejection;
@@ -17,7 +18,7 @@ Token roles follow vLLM's rejection sampler: *accepted* draft tokens, then one *
 token drawn from the target at position K. All randomness is drawn up front: one uniform per draft
 position and one for the recovered/bonus token (`uniforms [B, K+1]`).
 
-Batched verification (docs/design.md, section 'Token roles'): rows may have ragged draft lengths,
+Batched verification (docs/design/rules.md, section 'Token roles'): rows may have ragged draft lengths,
 draft_tokens padded with -1 after row i's last real draft (k_i real drafts, 0 <= k_i <= K); row i
 uses uniforms[i, :k_i] for its drafts and uniforms[i, k_i] for its recovered/bonus token, and a
 sequence of B generators draws k_i + 1 uniforms per row, so a row verified in a batch gives the
@@ -65,7 +66,7 @@ class VerifyResult:
 
 @dataclass(frozen=True)
 class BlockLaw:
-    """The exact law of one verified block given its drafts (docs/design.md, 'Rule anatomy').
+    """The exact law of one verified block given its drafts (docs/design/rules.md, 'Rule anatomy').
 
     num_accepted_probs [B, K+1]: P(n = m | drafts) for m = 0..K (0 for m > k_i), in float64.
     last_laws [B, K+1, V]: the law of the token emitted after m accepted drafts: the recovered token's
@@ -112,7 +113,7 @@ def draw_uniforms(
     One generator (or None, the global one): a single [B, K+1] draw. A sequence of B generators:
     row i draws exactly k_i + 1 uniforms from its own generator (`torch.rand(k_i + 1, generator=g_i)`)
     into uniforms[i, :k_i+1]; the columns after k_i are 0 and never read. So a row draws the same
-    numbers whether it is verified alone (B=1, K=k_i) or in any batch (docs/design.md, 'Token roles').
+    numbers whether it is verified alone (B=1, K=k_i) or in any batch (docs/design/rules.md, 'Token roles').
     """
     b, k = draft_tokens.shape
     if generator is None or isinstance(generator, torch.Generator):
@@ -213,7 +214,7 @@ def check_block(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor)
 
 def refuse_diagnostics_without_law(rule: "Rule") -> None:
     """ValueError for a lossy block rule (fly) asked for per-position diagnostics: whether its drafts are
-    kept depends on the drafts after them, so no per-position law exists (docs/design.md, 'fly')."""
+    kept depends on the drafts after them, so no per-position law exists (docs/design/rules.md, 'fly')."""
     if rule.block_level and not rule.lossless:
         raise ValueError(
             f"rule '{rule.spec}' is block-level and lossy: a token's law depends on the drafts after it, so "
@@ -320,7 +321,8 @@ class Rule:
         return self._residual_after(target_probs, draft_probs, rejected_tokens.long())
 
     def emitted(self, target_probs: Tensor, draft_probs: Tensor) -> Tensor:
-        """Exact law of the token emitted at one draft position: [..., V] (docs/design.md, 'Rule anatomy')."""
+        """Exact law of the token emitted at one draft position: [..., V] (docs/design/rules.md,
+        'Rule anatomy')."""
         check_pair(target_probs, draft_probs)
         return self._emitted(target_probs, draft_probs)
 

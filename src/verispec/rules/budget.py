@@ -1,4 +1,4 @@
-"""The TV-budget rule (verispec's own; docs/design.md, section 'The budget rule and its optimality'):
+"""The TV-budget rule (verispec's own; docs/design/rules.md, section 'The budget rule and its optimality'):
 the rule with the largest acceptance among all rules whose emitted law r satisfies TV(r, p) <= tv
 and r <= ratio * p.
 

@@ -1,6 +1,6 @@
 """Engine presets: a serving engine's documented speculative settings as verispec's rule spec, so the
 exact shift of a flag can be measured on your own pair and prompts before it is deployed
-(docs/design.md, section 'Engine presets').
+(docs/design/diagnostics.md, section 'Engine presets').
 
     >>> from verispec.rules.engines import from_engine
     >>> preset = from_engine("sglang", "--speculative-accept-threshold-single 0.5 "
@@ -214,9 +214,10 @@ def _vllm(flags: dict[str, str]) -> EnginePreset:
         threshold = _number(flags, "fly_entropy_threshold", 0.3)
         top_k = _number(flags, "fly_entropy_top_k", 3, int)
         rule = _rule(f"fly:window={window},threshold={threshold:g},top_k={top_k}", "vllm")
-        notes.append("FLy is block-level: its exact law is a block law (docs/design.md, 'fly'); measure "
-                     "its shift with `verispec serve --rule ... --no-diagnostics` and `verispec audit`; at "
-                     "temperature 0 vLLM gates on the raw logits' entropy, which this rule does not model")
+        notes.append("FLy is block-level: its exact law is a block law (docs/design/rules.md, 'fly'); "
+                     "measure its shift with `verispec serve --rule ... --no-diagnostics` and "
+                     "`verispec audit`; at temperature 0 vLLM gates on the raw logits' entropy, which this "
+                     "rule does not model")
     else:
         rule = _rule("lossless", "vllm")
     return EnginePreset("vllm", flags, rule, k, notes=tuple(notes))

@@ -1,7 +1,7 @@
 """FLy: entropy-gated deferred verification (Li et al. 2025, "Training-Free Loosely Speculative
 Decoding", arXiv 2511.22972; vLLM `rejection_sample_method="fly"`, docs features/speculative_decoding/fly).
 
-Block-level and lossy (docs/design.md, section 'fly'). Each draft x_i is first judged natively,
+Block-level and lossy (docs/design/rules.md, section 'fly'). Each draft x_i is first judged natively,
 N_i = [u_i < a_i] with a_i = min(1, p_i(x_i) / q_i(x_i)) (Leviathan et al. 2023, Algorithm 1). A native
 rejection at position i is *deferred* (the draft is kept anyway) when
 
@@ -64,7 +64,7 @@ def fly_num_accepted_probs(a: Tensor, e: Tensor, num_drafts: Tensor, window: int
     Forward recursion on c, the number of upcoming positions already known to pass natively (a deferral
     at i fixes N_{i+1..i+W}, paid for when it is made): from c > 0 the draft is kept and c falls by one;
     from c = 0 it is kept natively (a_i, c stays 0), deferred ((1 - a_i) e_i prod_{j=i+1}^{i+W} a_j,
-    c = W), or the block stops at i. docs/design.md, section 'fly'."""
+    c = W), or the block stops at i. docs/design/rules.md, section 'fly'."""
     b, k = a.shape
     a = a.double()
     out = torch.zeros(b, k + 1, dtype=torch.float64, device=a.device)
@@ -107,7 +107,7 @@ class FLy(Rule):
     def _emitted(self, p: Tensor, q: Tensor) -> Tensor:
         raise NotImplementedError(
             "rule 'fly' has no per-position law: whether a draft is kept depends on the drafts after it "
-            "(docs/design.md, section 'fly'); its exact law is `block_law`")
+            "(docs/design/rules.md, section 'fly'); its exact law is `block_law`")
 
     def _parts(self, p: Tensor, q: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return fly_parts(p, q, x, self.window, self.threshold, self.top_k)

@@ -1,4 +1,4 @@
-"""Rules that verify losslessly against a law r(p, q), the target or another (docs/design.md, 'Rule
+"""Rules that verify losslessly against a law r(p, q), the target or another (docs/design/rules.md, 'Rule
 anatomy'): speculative sampling (Leviathan et al. 2023, Algorithm 1) applied to r, so
 
     accept = min(1, r/q);   residual = norm((r - q)+) (r where r == q);   emitted = r exactly,

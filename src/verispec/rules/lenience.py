@@ -1,7 +1,7 @@
 """Lenient speculative sampling (Leviathan et al. 2023, section 3.5 / appendix A.5, "lenience"):
 accept min(1, p / (l * q)), residual norm((p - q)+).
 
-Closed form (derived in docs/design.md, section 'The catalogue'): emitted = D*p + (1-D)*q where
+Closed form (derived in docs/design/rules.md, section 'The catalogue'): emitted = D*p + (1-D)*q where
 q <= p; q where p < q < p/l; p/l where q >= p/l; with D = sum((q - p/l)+) / TV(p, q). Overshoot
 is capped: emitted / p <= 1/l.
 """

@@ -1,5 +1,5 @@
 """SGLang's threshold acceptance (sglang `tree_speculative_sampling_target_only`, `threshold_single`
-/ `threshold_acc`, derived in docs/design.md, section 'The catalogue'): accept iff p(x) >= single or
+/ `threshold_acc`, derived in docs/design/rules.md, section 'The catalogue'): accept iff p(x) >= single or
 u <= p(x) / acc; after a rejection resample from p with the rejected token removed.
 
 The residual depends on the rejected token, so the rule supplies its own closed form:

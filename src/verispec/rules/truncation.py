@@ -1,6 +1,6 @@
 """Truncation-based verification: accept the draft token iff it lies in a gate set A(p).
 
-emitted = q * 1_A + (1 - q(A)) * residual (docs/design.md, section 'The catalogue'). Inside A the
+emitted = q * 1_A + (1 - q(A)) * residual (docs/design/rules.md, section 'The catalogue'). Inside A the
 output follows the *draft's* shape, not the target's, which is why these rules must be compared with
 the honest truncation baseline `p_A = norm(p * 1_A)` (lossless verification against the truncated
 target).

@@ -1,6 +1,6 @@
 """OpenAI's `logprobs` shapes for `verispec serve` (completions and chat), from the per-token record of
 `verispec.logprobs.token_logprobs`, plus verispec's behaviour log-probabilities, roles and sums
-(docs/design.md, 'Log-probabilities and importance weights')."""
+(docs/design/diagnostics.md, 'Log-probabilities and importance weights')."""
 
 from __future__ import annotations
 

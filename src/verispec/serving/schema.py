@@ -32,7 +32,7 @@ POSITION = {
 CERTIFICATE = {
     "type": ["object", "null"],
     "description": "For a budget rule: TV(response law, target's response law) <= tv_bound "
-                   "(docs/design.md, 'Certificate'); null for other rules",
+                   "(docs/design/rules.md, 'Certificate'); null for other rules",
     "properties": {
         "tv_per_token": _num("the rule's per-token TV budget", nullable=False),
         "ratio": _num("the rule's overshoot cap c (law <= c * target)", nullable=False),
@@ -83,7 +83,7 @@ VERIFICATION_REPORT = {
         "mean_kl": _num("mean over tokens of the exact KL(law || target), nats"),
         "max_overshoot": _num("max over tokens of max law / target"),
         "log_ratio": _num("sum over tokens of log law - log target: the exact path-level log-likelihood "
-                          "ratio (docs/design.md, 'Rule anatomy'); exp(-log_ratio) is the importance "
+                          "ratio (docs/design/rules.md, 'Rule anatomy'); exp(-log_ratio) is the importance "
                           "weight against the target"),
         "log_ratio_per_token": _num("log_ratio / tokens"),
         "certificate": CERTIFICATE,
@@ -121,7 +121,8 @@ COMPLETION_LOGPROBS_EXTRA = {
                                                      "last chunk, over every token"},
     "sum_behaviour_logprob": {"type": "number", "description": "the same sum of behaviour_logprobs"},
     "log_importance_weight": {"type": ["number", "null"],
-                              "description": "sum_logprob - sum_behaviour_logprob (docs/design.md, "
+                              "description": "sum_logprob - sum_behaviour_logprob "
+                                             "(docs/design/diagnostics.md, "
                                              "'Log-probabilities and importance weights')"},
 }
 

@@ -1,4 +1,4 @@
-"""Verification rules on token trees, each with its exact law (docs/design.md, section 'Trees').
+"""Verification rules on token trees, each with its exact law (docs/design/trees.md, section 'Trees').
 
 A tree is verified top-down. At a *frontier* (the accepted path so far; several nodes only for
 unmerged sampled chains that share it) with target distribution `p`, the candidates are the
@@ -105,7 +105,7 @@ def _zero(w: Tensor, token: Tensor) -> Tensor:
 
 
 def recursive_rejection(law: Tensor, candidate_tokens: Tensor, proposal_probs: Tensor) -> FrontierLaw:
-    """Lossless verification of the candidates against `law` [V] (docs/design.md, 'Trees'): accept
+    """Lossless verification of the candidates against `law` [V] (docs/design/trees.md, 'Trees'): accept
     c_j with min(1, w(c_j) / r_j(c_j)), else w <- norm((w - r_j)+), from w = law; emits `law`."""
     w = law
     accept = []
@@ -289,7 +289,7 @@ class TreeBudget(TreeRule):
 
     name = "budget"
     family = "bounded"
-    source = "verispec (docs/design.md, 'Trees'): budget with q taken as 1 on the candidates"
+    source = "verispec (docs/design/trees.md, 'Trees'): budget with q taken as 1 on the candidates"
     summary = "largest acceptance with TV <= tv per token and overshoot <= ratio"
     params = (Param("tv", float, "0 <= tv <= 1 (0 = lossless)", lambda v: 0 <= v <= 1),
               Param("ratio", float, "ratio >= 1 (may be inf)", lambda v: v >= 1 and not math.isnan(v)))

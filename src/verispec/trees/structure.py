@@ -1,6 +1,6 @@
 """Token trees as flat tensors, their shapes (`tree:widths=...`, `drafts:n=...`) and drafting them.
 
-docs/design.md, section 'Trees'. Node 0 is the root: the last committed position, which holds no
+docs/design/trees.md, section 'Trees'. Node 0 is the root: the last committed position, which holds no
 drafted token. Nodes 1..N are drafted tokens in topological order (parent index < child index),
 siblings in the order they were proposed. Per node: `parents` (-1 for the root), `depths` (0 for the
 root), `tokens` (-1 for the root) and `draft_probs`, the draft's distribution at the node's parent
@@ -27,7 +27,7 @@ distribution after each path of tokens below the root):
 `proposal_probs` gives, per node, the law the node was drawn from given its earlier siblings: one-hot
 of its token for deterministic children, q for i.i.d. ones, q with the earlier siblings' tokens
 removed and renormalised for first tokens drawn without replacement. The lossless tree rule needs
-exactly that law (docs/design.md, 'Trees').
+exactly that law (docs/design/trees.md, 'Trees').
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Traversal Verification (Weng et al. 2025, "Traversal Verification for Speculative Tree Decoding"):
-leaf-to-root, sequence-level acceptance on a token tree (docs/design.md, section 'Trees').
+leaf-to-root, sequence-level acceptance on a token tree (docs/design/trees.md, section 'Trees').
 
 State per node u: an acceptance probability `alpha_u` and a target distribution `W_u` for u's
 children (`W_u = p_u` at first, `alpha_root = 1`). The child c of u that is currently first among
