@@ -6,7 +6,6 @@ pair (a stop_check row batched equals the row decoded alone)."""
 from __future__ import annotations
 
 import ast
-import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from helpers import needs_bwrap
 from verispec.decode import DecodeConfig, decode_prompts
 from verispec.evaluation import code_protocol as cp
 from verispec.evaluation import scorers
+from verispec.evaluation.store import has_rows, scan_rows
 
 CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
@@ -121,9 +121,9 @@ def test_called_names_and_mbpp_program():
 
 @pytest.fixture(scope="module")
 def core_rows():
-    if not CORE.exists():
+    if not has_rows(CORE):
         pytest.skip(f"{CORE} is not in this checkout")
-    return {(r["config"].split(" ")[0], r["prompt_id"]): r for r in map(json.loads, CORE.open())}
+    return {(r["config"].split(" ")[0], r["prompt_id"]): r for r in scan_rows(CORE, resolve=False).rows}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from scipy import stats as scipy_stats
 from helpers import REPO, diff_rows, load_benchmark
 
 from verispec.evaluation import comparisons, stats
-from verispec.evaluation.store import has_rows
+from verispec.evaluation.store import has_rows, scan_rows
 
 heldout = load_benchmark("heldout")
 
@@ -127,10 +127,9 @@ def test_rescore_returns_decoded_rows_rescored_and_copied_rows_as_stored(capsys)
     (`reused_from`) is left to its own sweep and comes back as stored."""
     sweep_stats = load_benchmark("sweep_stats")
     path = REPO / "benchmarks" / "sweeps" / "qwen-graded-steps" / "results.jsonl"
-    if not path.exists():
+    if not has_rows(path):
         pytest.skip(f"{path} is not in this checkout")
-    with path.open() as f:
-        rows = [r for r in map(json.loads, f) if "reused_from" not in r][:3]  # decoded in that sweep
+    rows = [r for r in scan_rows(path, references=False).rows if "reused_from" not in r][:3]  # decoded there
     tampered = dict(rows[0], score=1.0 - rows[0]["score"])
     copied = dict(rows[1], score=1.0 - rows[1]["score"], reused_from="elsewhere")
     out_rows = sweep_stats.rescore([tampered, copied, rows[2]])

@@ -17,7 +17,7 @@ import pytest
 from helpers import diff_rows
 
 from verispec.evaluation import comparisons, scorers, stats
-from verispec.evaluation.store import read_rows
+from verispec.evaluation.store import has_rows, read_rows
 
 CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
@@ -174,7 +174,7 @@ def test_sweep_settings_keep_old_sweeps_resumable():
 
 @pytest.fixture(scope="module")
 def core_rows():
-    if not CORE.exists():
+    if not has_rows(CORE):
         pytest.skip(f"{CORE} is not in this checkout")
     return read_rows(CORE)  # through the store: references and stored steps resolved
 

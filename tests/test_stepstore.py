@@ -12,7 +12,7 @@ import pytest
 
 from helpers import results_row
 from verispec.evaluation.stepstore import STEPS_FILE, decode_steps, encode_steps, is_pointer, store_steps
-from verispec.evaluation.store import ResultsFile, read_rows, scan_rows
+from verispec.evaluation.store import ResultsFile, read_rows, scan_rows, sealed_file
 
 
 def float32_equal(a: float, b: float) -> bool:
@@ -115,8 +115,9 @@ def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
         pytest.skip("the committed sweep is not in this checkout")
     sweep = tmp_path / "qwen-mtbench-pilot"
     shutil.copytree(source, sweep)
-    rows = read_rows(sweep / "results.jsonl")
+    rows = read_rows(sweep / "results.jsonl")  # plain or sealed (results.jsonl.xz)
     (sweep / STEPS_FILE).unlink()
+    sealed_file(sweep / "results.jsonl").unlink(missing_ok=True)
     (sweep / "results.jsonl").write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     before = write_report(sweep, html_path=tmp_path / "a.html", markdown=True)[0]
     size = (sweep / "results.jsonl").stat().st_size
