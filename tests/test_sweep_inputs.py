@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import lzma
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from verispec.api import check_device
 from verispec.cli import main
 from verispec.evaluation.report import usable_rows, write_report
 from verispec.evaluation.summary import summarize
-from verispec.evaluation.store import read_rows
+from verispec.evaluation.store import read_rows, sealed_file
 from verispec.evaluation.suites import Item, load_suite
 from verispec.evaluation.sweep import run_sweep
 from verispec.evaluation.units import RunConfig, SweepSpec, exact_number, unit_key
@@ -55,8 +56,10 @@ def test_committed_rows_keep_their_unit_keys():
         settings = json.loads(spec_path.read_text())
         spec = SweepSpec(**{k: tuple(v) if isinstance(v, list) else v
                             for k, v in settings.items() if k in names})
-        with open(spec_path.parent / "results.jsonl") as lines:  # the first 50 rows, not all 36 MB parsed
-            rows = [json.loads(line) for line in itertools.islice(lines, 50)]
+        plain = spec_path.parent / "results.jsonl"
+        sealed = sealed_file(plain)  # a finished sweep's rows are compressed (store.seal_rows)
+        with (lzma.open(sealed, "rt") if sealed.exists() and not plain.exists() else open(plain)) as lines:
+            rows = [json.loads(line) for line in itertools.islice(lines, 50)]  # not all of them parsed
         # a reference (store, `same_as`) stands for its holder's row of the same unit, checked there
         for row in (r for r in rows if "same_as" not in r):
             config = RunConfig(row["rule"], row["k"], row["temperature"])
