@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
@@ -166,6 +167,32 @@ def report_overhead(n: int = 16, max_tokens: int = 64) -> dict:
     return {"report_build_fraction": build / decode, "diagnostics_fraction": diag / decode}
 
 
+def paired_ratios(rows: list[dict]) -> list[str]:
+    """Each speculative mode's throughput over plain's at each concurrency, paired by round (a round's
+    servers ran one after the other), then over the rounds: their geometric mean and 95% interval
+    (Student t on the log ratios; the rounds are the replicates, so the interval covers the drift between
+    server starts as well as within a run)."""
+    from scipy import stats
+
+    plain = {(r["round"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r["mode"] in ("lossless", "lossless-auto") and (r["round"], r["concurrency"]) in plain:
+            ratios.setdefault((r["mode"], r["concurrency"]), []).append(
+                r["tokens_per_s"] / plain[r["round"], r["concurrency"]])
+    out = []
+    for (mode, c), values in ratios.items():
+        logs = [math.log(v) for v in values]
+        line = f"{mode} / plain at concurrency {c}: " + ", ".join(f"{v:.2f}x" for v in values)
+        if len(values) > 1:
+            mean = statistics.fmean(logs)
+            half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+            line += (f"; geometric mean {math.exp(mean):.3f}x, 95% interval [{math.exp(mean - half):.3f}, "
+                     f"{math.exp(mean + half):.3f}] over {len(values)} rounds")
+        out.append(line)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,7 +210,12 @@ def main() -> None:
     parser.add_argument("--draft", default="default-draft")
     parser.add_argument("--ray-replicas", nargs="*", type=int, default=[],
                         help="also the lossless mode on Ray Serve with each of these replica counts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the modes in turn this many times (a fresh server each time); each "
+                             "mode's throughput against plain is then paired by round, with its spread")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     pair = ["--target", args.target, "--draft", args.draft]
     modes = {"lossless": [*pair, "--rule", "lossless"], "plain": [*pair[:2], "--draft", "none"],
              "lossless-nodiag": [*pair, "--rule", "lossless", "--no-diagnostics"]}
@@ -194,7 +226,9 @@ def main() -> None:
     for n in args.ray_replicas:
         modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
     rows, longs = [], []
-    for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]:
+    turns = [(r, mode) for r in range(args.rounds)
+             for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]]
+    for turn, mode in turns:
         proc, url = start_server(modes[mode], wait=600, env=envs.get(mode),  # a large pair loads in minutes
                                  max_batch=args.max_batch)
         try:
@@ -204,7 +238,7 @@ def main() -> None:
                     continue  # the diagnostics toggle: one level is enough
                 n = args.requests or max(4, c)
                 mixed = mode == "lossless-mixed"
-                row = {"mode": mode, **asyncio.run(level(url, c, n, args.max_tokens, mixed))}
+                row = {"mode": mode, "round": turn, **asyncio.run(level(url, c, n, args.max_tokens, mixed))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if args.long_prompt:
@@ -225,11 +259,8 @@ def main() -> None:
         print(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
               f"{r['p50_latency']:.2f} | {r['p99_latency']:.2f} | {r['p50_ttft']:.2f} | "
               f"{r['p99_ttft']:.2f} | {r['tokens_per_target_call']:.2f} |")
-    plain = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
-    for r in rows:
-        if r["mode"] in ("lossless", "lossless-auto") and r["concurrency"] in plain:
-            print(f"{r['mode']} / plain at concurrency {r['concurrency']}: "
-                  f"{r['tokens_per_s'] / plain[r['concurrency']]:.2f}x")
+    for line in paired_ratios(rows):
+        print(line)
     for r in longs:
         print(f"{r['mode']}: p50 latency of short requests at concurrency {r['concurrency']} beside a "
               f"{args.long_prompt}-token prompt / alone: {r['p50_beside'] / r['p50_alone']:.2f}x "
