@@ -1,15 +1,17 @@
 """Move a sweep's inline per-position arrays (`steps`) and token ids into its steps.bin
 (`verispec.evaluation.stepstore`), write its rows as strict JSON (`store.strict_json`) and, with `--seal`,
-compress the rows into results.jsonl.xz (`store.seal_rows`; a finished sweep's rows then weigh about a
-tenth, and are read-only until unsealed).
+seal it (`store.seal_rows`): rows compressed into results.jsonl.xz, steps packed into one
+steps-<crc32>.bin.xz; a finished sweep then weighs about a tenth of its inline rows, and is read-only
+until unsealed. `--seal` on a sealed sweep packs its steps again.
 
     python scripts/compact_steps.py benchmarks/sweeps/qwen-mtbench-pilot [...] [--seal] [--check]
     python scripts/compact_steps.py --unseal benchmarks/sweeps/qwen-mtbench-pilot   # to add rows again
 
 The report of each sweep (`verispec report --markdown`, and its HTML) must read the same before and after
 (numbers are stored as float32; the reports print 3-4 digits); otherwise nothing is changed and the sweep
-is named. The new files are built beside the old ones and read back; each replaces its old one whole
-(steps.bin first: it only grows, so the old rows still read from it), the plain rows go last. `--check`
+is named. The new files are built beside the old ones and read back; the steps files go in first (the
+rows already there point at none of the new ones), then the rows, and old steps files no row points at
+are removed last. `--check`
 changes nothing and prints what would change.
 """
 
@@ -23,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from verispec.evaluation.report import write_report
-from verispec.evaluation.stepstore import STEPS_FILE, compact_row
+from verispec.evaluation.stepstore import PACK_NAME, STEPS_FILE, compact_row
 from verispec.evaluation.store import (SAME_AS, load_row, read_sealed, refuse_sealed, seal_rows, sealed_file,
                                        strict_json, unseal_rows)
 
@@ -39,18 +41,30 @@ def _report(sweep: Path, work: Path) -> tuple[str, str]:
     return markdown, text
 
 
+def _steps_files(directory: Path) -> list[str]:
+    """The steps files in a sweep directory: steps.bin and packs (`stepstore.pack_records`)."""
+    return sorted(p.name for p in directory.iterdir() if p.name == STEPS_FILE or PACK_NAME.fullmatch(p.name))
+
+
 def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int]:
-    """(rows, rows moved, bytes saved) for one sweep."""
-    results = sweep / RESULTS
-    refuse_sealed(results)  # a sealed sweep is compact already: unseal it to change it
-    raw = results.read_bytes()
+    """(rows, rows moved, bytes saved) for one sweep. A sealed sweep is sealed again (its steps re-packed)
+    with `seal`, and refused without it."""
+    results, sealed = sweep / RESULTS, sealed_file(sweep / RESULTS)
+    if results.exists():
+        raw = results.read_bytes()
+    elif seal:
+        raw = read_sealed(sealed)
+    else:
+        refuse_sealed(results)  # a sealed sweep: unseal it to change it, or seal it again
+        raise FileNotFoundError(f"{results} does not exist")
+    old_steps = _steps_files(sweep)
+    old_size = sum((sweep / n).stat().st_size for n in [RESULTS, sealed.name, *old_steps]
+                   if (sweep / n).exists())
     with tempfile.TemporaryDirectory(dir=sweep.parent) as tmp:
         work = Path(tmp)
         for name in os.listdir(sweep):  # the report reads sweep.json, runs.jsonl, ... beside the rows
-            if name not in (RESULTS, STEPS_FILE) and (sweep / name).is_file():
-                shutil.copy(sweep / name, work / name)
-        if (sweep / STEPS_FILE).exists():
-            shutil.copy(sweep / STEPS_FILE, work / STEPS_FILE)
+            if name not in (RESULTS, sealed.name) and (sweep / name).is_file():
+                shutil.copy(sweep / name, work / name)  # steps files too: the rows point into them
         lines, moved, rows = [], 0, 0
         for line in raw.split(b"\n"):
             if not line.strip():
@@ -63,9 +77,9 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
         (work / RESULTS).write_bytes(b"".join(line + b"\n" for line in lines))
         if seal:
             seal_rows(work / RESULTS)
-        kept = [work / n for n in (RESULTS, RESULTS + ".xz", STEPS_FILE) if (work / n).exists()]
+        new_steps = _steps_files(work)
+        kept = [work / n for n in [RESULTS, sealed.name, *new_steps] if (work / n).exists()]
         new_size = sum(p.stat().st_size for p in kept)
-        old_size = len(raw) + ((sweep / STEPS_FILE).stat().st_size if (sweep / STEPS_FILE).exists() else 0)
         unchanged = moved == 0 and not seal and lines == [line for line in raw.split(b"\n") if line.strip()]
         if check or unchanged:
             return rows, moved, old_size - new_size
@@ -73,15 +87,15 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
             if _report(sweep, Path(pages)) != _report(work, Path(pages)):
                 raise SystemExit(f"{sweep}: the report would read differently once compacted; nothing "
                                  "changed")
-        if (work / STEPS_FILE).exists():  # a sweep of references alone has none
-            os.replace(work / STEPS_FILE, sweep / STEPS_FILE)
+        for name in new_steps:  # first the steps files: rows already here point at none of the new ones
+            os.replace(work / name, sweep / name)
         if seal:
-            os.replace(sealed_file(work / RESULTS), sealed_file(results))
-            if read_sealed(sealed_file(results)) != (b"".join(line + b"\n" for line in lines)):
-                raise SystemExit(f"{sealed_file(results)} does not read back; {results} is kept")
-            results.unlink()
+            os.replace(sealed_file(work / RESULTS), sealed)
+            results.unlink(missing_ok=True)
         else:
             os.replace(work / RESULTS, results)
+        for name in set(old_steps) - set(new_steps):  # no row points at them now
+            (sweep / name).unlink()
         return rows, moved, old_size - new_size
 
 

@@ -1,6 +1,7 @@
-"""Sealed rows (`store.seal_rows`): a finished sweep's results.jsonl compressed into results.jsonl.xz reads
-the same everywhere (rows, references into it, the report), is read-only until unsealed, and a damaged,
-oversized or half-sealed file gives a clear answer, never a wrong row."""
+"""Sealed sweeps (`store.seal_rows`): a finished sweep's results.jsonl compressed into results.jsonl.xz and
+its steps packed into one steps-<crc32>.bin.xz read the same everywhere (rows, references into it, the
+report), are read-only until unsealed, and a damaged, oversized, missing or half-written file gives a
+clear answer, never a wrong row."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from helpers import REPO, load_script, results_row
 from verispec.cli import main
 from verispec.evaluation.report import write_report
+from verispec.evaluation.stepstore import PACK_NAME, STEPS_FILE
 from verispec.evaluation.store import (SAME_AS, ResultsFile, has_rows, read_rows, read_sealed, results_file,
                                        scan_rows, seal_rows, sealed_file, strict_json, unseal_rows)
 
@@ -111,5 +113,74 @@ def test_sealing_a_committed_sweep_keeps_its_report(tmp_path):
     rows, moved, saved = load_script("compact_steps").compact(sweep, check=False, seal=True)
     assert rows == 32 and saved > 0 and not (sweep / "results.jsonl").exists()
     assert write_report(sweep, html_path=tmp_path / "b.html", markdown=True)[0] == before
-    with pytest.raises(ValueError, match="sealed"):
-        load_script("compact_steps").compact(sweep, check=False, seal=True)
+    assert len(packs(sweep)) == 1 and not (sweep / STEPS_FILE).exists()
+    with pytest.raises(ValueError, match="sealed"):  # sealed rows are changed only by sealing again
+        load_script("compact_steps").compact(sweep, check=False)
+    load_script("compact_steps").compact(sweep, check=False, seal=True)  # packed again: the same
+    assert write_report(sweep, html_path=tmp_path / "c.html", markdown=True)[0] == before
+
+
+STEPS = {"role": ["accepted", "bonus", "recovered", "accepted"], "tv": [0.0, 0.125, float("nan"), 1.0],
+         "kl": [float("inf"), 1e-9, 2.5, 0.0], "log_target": [-0.1, -12.75, -1e-30, -3.0]}
+
+
+def packs(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if PACK_NAME.fullmatch(p.name))
+
+
+def test_sealing_packs_the_steps_into_one_file_and_every_row_reads_the_same(tmp_path):
+    path = tmp_path / "s" / "results.jsonl"
+    with ResultsFile(path) as store:  # steps and token ids in steps.bin, one record each
+        for i in range(6):
+            store.append(results_row(f"u{i}", steps=STEPS, token_ids=[1, 2, 3, i]))
+    rows = read_rows(path)
+    seal_rows(path)
+    [pack] = packs(path.parent)
+    assert not (path.parent / STEPS_FILE).exists() and not path.exists()
+    assert json.dumps(read_rows(path)) == json.dumps(rows)  # NaN and infinities included
+    raw = scan_rows(path, resolve=False).rows
+    assert {r["steps"]["stored"] for r in raw} == {pack} == {r["token_ids"]["stored"] for r in raw}
+    # unsealed, a row is added (its steps go to steps.bin), sealed again: one new pack holds them all
+    unseal_rows(path)
+    with ResultsFile(path) as store:
+        store.append(results_row("u6", steps=STEPS, token_ids=[7]))
+    rows = read_rows(path)
+    seal_rows(path)
+    assert packs(path.parent) != [pack] and len(packs(path.parent)) == 1
+    assert not (path.parent / STEPS_FILE).exists()
+    assert json.dumps(read_rows(path)) == json.dumps(rows)
+    seal_rows(path)  # a sealed sweep sealed again: the same pack (same content, same name)
+    assert json.dumps(read_rows(path)) == json.dumps(rows) and len(packs(path.parent)) == 1
+
+
+def test_a_damaged_or_missing_pack_makes_its_rows_invalid_not_wrong(tmp_path):
+    path = tmp_path / "s" / "results.jsonl"
+    with ResultsFile(path) as store:
+        store.append(results_row("u0"))
+        store.append(results_row("u1", steps=STEPS))
+    seal_rows(path)
+    [pack] = packs(path.parent)
+    data = (path.parent / pack).read_bytes()
+    (path.parent / pack).write_bytes(data[:-20])
+    scan = scan_rows(path)
+    assert [r["unit"] for r in scan.rows] == ["u0"] and "damaged" in scan.invalid[0][1]
+    (path.parent / pack).unlink()
+    assert "does not exist" in scan_rows(path).invalid[0][1]
+    raw = scan_rows(path, resolve=False).rows[1]
+    bad = {**raw, "steps": {**raw["steps"], "stored": "../elsewhere.bin.xz"}}
+    (path.parent / "results.jsonl").write_text(strict_json(bad) + "\n")  # a plain file is read first
+    assert "not steps.bin or a packed steps file" in scan_rows(path).invalid[0][1]
+
+
+def test_an_interrupted_pack_leaves_the_rows_reading_from_the_old_steps(tmp_path):
+    """A pack written beside the old steps.bin before the rows were replaced (a kill in between): the rows
+    still point at steps.bin and read as before; sealing again finishes and removes the orphan."""
+    path = tmp_path / "s" / "results.jsonl"
+    with ResultsFile(path) as store:
+        store.append(results_row("u1", steps=STEPS))
+    rows = read_rows(path)
+    (path.parent / "steps-0badf00d.bin.xz").write_bytes(lzma.compress(b"not rows"))
+    assert json.dumps(read_rows(path)) == json.dumps(rows)
+    seal_rows(path)
+    assert "steps-0badf00d.bin.xz" not in packs(path.parent) and len(packs(path.parent)) == 1
+    assert json.dumps(read_rows(path)) == json.dumps(rows)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import re
+import stat
 import struct
 import zlib
 from json.decoder import NaN
@@ -33,6 +35,8 @@ STEPS_FILE = "steps.bin"
 STORED = "stored"  # the key of a pointer (an inline steps dict has the step fields as keys)
 MAX_RECORD = 256 * 2**20
 LZMA_MAGIC = b"VX2"  # then raw LZMA2 (no container: its 60 bytes would weigh on short rows); zlib starts 0x78
+RAW_MAGIC = b"VXR"  # then the columns uncompressed: a packed file's records (compressed as one stream)
+PACK_NAME = re.compile(r"steps-[0-9a-f]{8}\.bin\.xz")  # a packed file's name (`pack_records`)
 _LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 2**22}]
 # a column kind's dtype ("s": bytes regrouped by `_shuffle`; "i4"/"f4": the first writer's plain columns)
 _DTYPES = {"cat": np.uint8, "i4": np.int32, "f4": np.float32, "i4s": np.int32, "f4s": np.float32}
@@ -67,9 +71,10 @@ def _column(name: str, values: list) -> tuple[list, bytes] | None:
     return None
 
 
-def encode_steps(steps: dict) -> bytes | None:
+def encode_steps(steps: dict, compress: bool = True) -> bytes | None:
     """One compressed record of a row's steps, or None when they are not lists of one length of numbers,
-    token ids or short strings (such a row keeps its steps inline)."""
+    token ids or short strings (such a row keeps its steps inline). `compress=False`: the same columns
+    uncompressed (a packed file, `pack_records`, compresses a whole sweep's records at once)."""
     if not isinstance(steps, dict) or not steps or not all(isinstance(v, list) for v in steps.values()):
         return None
     lengths = {len(v) for v in steps.values()}
@@ -90,14 +95,20 @@ def encode_steps(steps: dict) -> bytes | None:
         chunks.append(data)
     head = json.dumps(header).encode()
     data = struct.pack("<I", len(head)) + head + b"".join(chunks)
+    if not compress:
+        return RAW_MAGIC + data
     return LZMA_MAGIC + lzma.compress(data, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
 
 
 def decode_steps(record: bytes) -> dict:
     """The steps dict of one record (float32 numbers come back as Python floats). ValueError if damaged."""
     try:
-        raw = (lzma.decompress(record[len(LZMA_MAGIC):], format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
-               if record.startswith(LZMA_MAGIC) else zlib.decompress(record))
+        if record.startswith(RAW_MAGIC):
+            raw = record[len(RAW_MAGIC):]
+        elif record.startswith(LZMA_MAGIC):
+            raw = lzma.decompress(record[len(LZMA_MAGIC):], format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+        else:
+            raw = zlib.decompress(record)
         (size,) = struct.unpack("<I", raw[:4])
         header = json.loads(raw[4:4 + size])
         n, at, out = int(header["n"]), 4 + size, {}
@@ -150,34 +161,89 @@ def is_pointer(steps) -> bool:
     return isinstance(steps, dict) and STORED in steps
 
 
+def read_xz(path: Path, max_bytes: int, what: str) -> bytes:
+    """The decompressed bytes of an .xz file. ValueError naming the path if it is not a regular file of
+    at most `max_bytes`, is damaged or cut short, or expands past `max_bytes` (checked while
+    decompressing, so a small file that expands without bound is refused, not read into memory)."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        raise ValueError(f"{path} is not a regular file of at most {max_bytes:,} bytes; give a {what}")
+    with open(path, "rb") as f:
+        packed = f.read(max_bytes + 1)
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    try:
+        data = decompressor.decompress(packed, max_length=max_bytes + 1)
+    except lzma.LZMAError as err:
+        raise ValueError(f"{path} is damaged ({err})") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} holds more than {max_bytes:,} bytes, a {what}'s limit")
+    if not decompressor.eof or decompressor.unused_data:
+        raise ValueError(f"{path} is damaged (cut short, or bytes after its end)")
+    return data
+
+
+MAX_PACK_BYTES = 4 * 2**30  # a packed steps file's decompressed size (`read_xz` refuses more)
+
+
+def pack_records(records: list[bytes]) -> tuple[str, bytes, list[dict]]:
+    """(file name, its bytes, each record's pointer) of a packed steps file: `records` (uncompressed,
+    `encode_steps(..., compress=False)`) one after the other, compressed as one .xz stream, which finds
+    what a whole sweep's rows share (about 13% smaller than a record apiece). The name carries the
+    content's checksum, so a new pack never replaces one that rows still point at. Pointers give offsets
+    in the decompressed bytes."""
+    pointers, offset = [], 0
+    for record in records:
+        pointers.append({"offset": offset, "length": len(record), "crc32": zlib.crc32(record)})
+        offset += len(record)
+    packed = lzma.compress(b"".join(records), format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
+    name = f"steps-{zlib.crc32(packed):08x}.bin.xz"
+    return name, packed, [{STORED: name, **p} for p in pointers]
+
+
 class StepsReader:
-    """Resolves pointers into one sweep's steps.bin (read once, on the first pointer)."""
+    """Resolves pointers into one sweep's steps.bin, or a packed steps file beside it (each file read
+    once, on its first pointer)."""
 
     def __init__(self, directory: Path):
-        self.directory, self.data = Path(directory), None
+        self.directory, self.files = Path(directory), {}
+
+    def _file(self, name: str) -> bytes | str:
+        if name not in self.files:
+            path = self.directory / name
+            if not path.is_file():
+                self.files[name] = f"its steps file {path} does not exist"
+            elif name == STEPS_FILE:
+                self.files[name] = path.read_bytes()
+            else:
+                try:
+                    self.files[name] = read_xz(path, MAX_PACK_BYTES, "packed steps file")
+                except ValueError as err:
+                    self.files[name] = str(err)
+        return self.files[name]
 
     def load(self, pointer: dict) -> dict | str:
         """The steps a pointer stands for, or the reason they cannot be read (a str)."""
-        if pointer.get(STORED) != STEPS_FILE:
-            return f"steps stored in {str(pointer.get(STORED))[:60]!r}, not {STEPS_FILE}"
+        name = pointer.get(STORED)
+        if name != STEPS_FILE and not (isinstance(name, str) and PACK_NAME.fullmatch(name)):
+            return f"steps stored in {str(name)[:60]!r}, not {STEPS_FILE} or a packed steps file"
         offset, length, crc = pointer.get("offset"), pointer.get("length"), pointer.get("crc32")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length, crc)):
             return "a steps pointer needs integer offset, length and crc32"
         if length > MAX_RECORD:
             return f"a steps record of {length} bytes (more than {MAX_RECORD})"
-        if self.data is None:
-            path = self.directory / STEPS_FILE
-            if not path.is_file():
-                return f"its steps file {path} does not exist"
-            self.data = path.read_bytes()
-        record = self.data[offset:offset + length]
+        data = self._file(name)
+        if isinstance(data, str):
+            return data
+        record = data[offset:offset + length]
         if len(record) != length or zlib.crc32(record) != crc:
             return f"its steps record at {offset} does not match its checksum"
         try:
             return decode_steps(record)
         except ValueError as err:
             return str(err)
-
 
 
 STORED_FIELDS = ("steps", TOKEN_IDS)  # the row fields kept in steps.bin

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 from verispec.evaluation.rowcheck import row_problem
-from verispec.evaluation.stepstore import StepsReader, compact_row, resolve_row
+from verispec.evaluation.stepstore import (PACK_NAME, STEPS_FILE, STORED_FIELDS, StepsReader, compact_row,
+                                          encode_steps, is_pointer, pack_records, read_xz, resolve_row)
 from verispec.machine import describe
 
 log = logging.getLogger(__name__)
@@ -288,19 +289,9 @@ def has_rows(results_path: Path) -> bool:
 
 def read_sealed(path: Path, max_bytes: int = MAX_RESULTS_BYTES) -> bytes:
     """The rows' text of a sealed results file (`seal_rows`). ValueError naming the path if it is not a
-    regular file, is damaged, or holds more than `max_bytes` of text (checked while decompressing, so a
-    small file that expands without bound is refused, not read into memory)."""
-    packed = read_regular_file(path, MAX_SEALED_BYTES, "sealed results file")
-    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
-    try:
-        data = decompressor.decompress(packed, max_length=max_bytes + 1)
-    except lzma.LZMAError as err:
-        raise ValueError(f"{path} is damaged ({err})") from None
-    if len(data) > max_bytes:
-        raise ValueError(f"{path} holds more than {max_bytes:,} bytes of rows, a results file's limit")
-    if not decompressor.eof or decompressor.unused_data:
-        raise ValueError(f"{path} is damaged (cut short, or bytes after its end)")
-    return data
+    regular file, is damaged, or holds more than `max_bytes` of text (`stepstore.read_xz`)."""
+    check_regular_file(path, MAX_SEALED_BYTES, "sealed results file")
+    return read_xz(path, max_bytes, "results file")
 
 
 def refuse_sealed(results_path: Path) -> None:
@@ -328,24 +319,61 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def seal_rows(results_path: Path) -> Path:
-    """Compress a finished sweep's results file into results.jsonl.xz (a tenth of its size) and remove
-    the plain file; readers (`scan_rows`) read either the same way. A sealed sweep is read-only
-    (`ResultsFile` refuses it) until `unseal_rows`. Each step leaves complete files: the sealed file is
-    renamed into place before the plain one goes, so an interrupted seal leaves both, holding the same
-    rows (the plain one is read; sealing again finishes). Runs under the sweep's `DirectoryLock`."""
+    """Seal a finished sweep: its rows compressed into results.jsonl.xz, and its rows' per-position arrays
+    and token ids (from steps.bin or an earlier pack) packed into one steps-<crc32>.bin.xz
+    (`stepstore.pack_records`); about a tenth of the plain rows. Readers (`scan_rows`) read a sealed
+    sweep as before; it is read-only (`ResultsFile` refuses it) until `unseal_rows`. A sealed sweep may be
+    sealed again (its steps re-packed). Every row must read back the same, or nothing is removed.
+
+    Crash-safe: the pack is written under a new name and the sealed rows renamed into place before the
+    plain rows and the old steps files go, so an interrupted seal leaves files that read the same rows
+    (the plain results file is read while it exists; sealing again finishes). Runs under the sweep's
+    `DirectoryLock`."""
     results_path = Path(results_path)
-    with DirectoryLock(results_path.parent):
-        if not results_path.exists():
-            raise FileNotFoundError(f"{results_path} does not exist (already sealed?)")
-        data = read_regular_file(results_path, MAX_RESULTS_BYTES, "results file")
-        if data and not data.endswith(b"\n"):
-            raise ValueError(f"{results_path} ends in a partial line: resume the sweep, or cut it, first")
-        packed = lzma.compress(data, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
-        sealed = sealed_file(results_path)
-        _write_atomic(sealed, packed)
-        if read_sealed(sealed) != data:
-            raise ValueError(f"{sealed} does not read back as {results_path}; the plain file is kept")
-        results_path.unlink()
+    directory, sealed = results_path.parent, sealed_file(results_path)
+    with DirectoryLock(directory):
+        if results_path.exists():
+            data = read_regular_file(results_path, MAX_RESULTS_BYTES, "results file")
+            if data and not data.endswith(b"\n"):
+                raise ValueError(f"{results_path} ends in a partial line: resume the sweep, or cut it, first")
+        elif sealed.exists():
+            data = read_sealed(sealed)
+        else:
+            raise FileNotFoundError(f"{results_path} does not exist")
+        before = scan_rows(results_path, references=False)
+        if before.skipped or before.invalid:
+            raise ValueError(f"{results_path} has unreadable or invalid rows ({len(before.skipped)} + "
+                             f"{len(before.invalid)}); mend or drop them before sealing")
+        rows, records, slots, reader = [], [], [], StepsReader(directory)
+        for line in data.split(b"\n"):
+            if not line.strip():
+                continue
+            row = load_row(line)
+            for key in STORED_FIELDS:
+                if is_pointer(row.get(key)):
+                    records.append(encode_steps(reader.load(row[key]), compress=False))
+                    slots.append((len(rows), key))
+            rows.append(row)
+        old_packs = {p.name for p in directory.iterdir() if PACK_NAME.fullmatch(p.name)}
+        name = None
+        if records:
+            name, packed, pointers = pack_records(records)
+            for (i, key), pointer in zip(slots, pointers):
+                rows[i] = {**rows[i], key: pointer}
+            _write_atomic(directory / name, packed)
+        text = b"".join(strict_json(row).encode() + b"\n" for row in rows)
+        fresh = StepsReader(directory)
+        if [json.dumps(resolve_row(fresh, r), sort_keys=True) for r in rows] != [
+                json.dumps(r, sort_keys=True) for r in before.rows]:
+            raise ValueError(f"{directory}: the packed rows would not read back the same; nothing removed")
+        _write_atomic(sealed, lzma.compress(text, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME))
+        results_path.unlink(missing_ok=True)
+        after = scan_rows(results_path, references=False)
+        if json.dumps(after.rows, sort_keys=True) != json.dumps(before.rows, sort_keys=True):
+            _write_atomic(results_path, data)  # the rows as they were; the plain file is read again
+            raise ValueError(f"{sealed} does not read back as {results_path}; the plain rows are restored")
+        for old in [STEPS_FILE, *sorted(old_packs - {name})]:  # no row points at them now
+            (directory / old).unlink(missing_ok=True)
     return sealed
 
 
