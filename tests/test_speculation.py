@@ -11,7 +11,7 @@ from scipy.stats import beta
 from stats import chisquare_pvalue
 from streams import joint_law
 from test_decode_toy import V, as_vector, law_fn, toy_pair
-from verispec.decode import DecodeConfig, decode_prompts
+from verispec.decode import BatchDecoder, DecodeConfig, decode_prompts
 from verispec.models import ModelDrafter, load_drafter, load_model
 from verispec.sampling import SamplingConfig
 from verispec.speculation import AdaptivePolicy, Costs, RowAcceptance, expected_tokens, measure_costs
@@ -187,3 +187,50 @@ def test_generate_with_k_auto_reports_its_choices_and_keeps_greedy():
         assert all(0 <= k <= 8 for k in spec["k_per_block"])
     with pytest.raises(TypeError, match="or 'auto'"):
         verispec.generate("x", k="fast")
+
+
+def test_a_new_row_starts_from_the_pooled_acceptance_of_earlier_rows():
+    """`pool_tests`: a new row's prior is the earlier rows' counts scaled to weigh at most that many tests,
+    so where they show speculation cannot pay it does not explore, and its own tests then take over. Off
+    (0), every row starts from the uniform prior and explores."""
+    dear = Costs(target={1: (1.0, 1.9, 2.2)}, draft={1: 0.2})  # only a high acceptance pays
+    pooled = AdaptivePolicy(dear, k_max=2, explore=8, pool_tests=8)
+    pool = RowAcceptance()
+    for _ in range(10):  # earlier rows: 30 tests, 10 of them passed
+        pool.update(proposed=2, accepted=1)
+        pool.update(proposed=2, accepted=0)
+    assert (pool.tests, pool.accepted) == (30, 10)
+    row = pooled.new_row(pool)
+    assert (row.prior_tests, row.prior_accepted) == (8, 3) and (row.tests, row.accepted) == (0, 0)
+    assert row.evidence == (8, 3) and row.estimate == pytest.approx(4 / 10)
+    assert pooled.choose_k(row.estimate, *row.evidence) == 0  # pooled evidence: paying is implausible
+    fresh = RowAcceptance()
+    assert pooled.choose_k(fresh.estimate, *fresh.evidence) == 2  # the same row without a prior explores
+    assert AdaptivePolicy(dear, k_max=2, explore=8).new_row(pool) == RowAcceptance()  # pool_tests 0: off
+    assert pooled.new_row(None) == RowAcceptance() and pooled.new_row(RowAcceptance()) == RowAcceptance()
+    few = RowAcceptance(accepted=2, tests=3)  # fewer tests than pool_tests: taken whole
+    assert (pooled.new_row(few).prior_tests, pooled.new_row(few).prior_accepted) == (3, 2)
+    with pytest.raises(ValueError, match="pool_tests"):
+        AdaptivePolicy(dear, k_max=2, pool_tests=-1)
+
+
+def test_decoders_sharing_a_pool_start_later_rows_from_earlier_ones():
+    """The server's engine passes one dict of pools to the decoders it creates one after another: a row
+    added to a later decoder starts from the acceptance its predecessors saw with the same rule and
+    settings; another rule starts fresh."""
+    target, draft = toy_pair()
+    policy = AdaptivePolicy(COSTS, k_max=2, by_batch=False, pool_tests=8)
+    pools: dict = {}
+    config = DecodeConfig(k=2, max_new_tokens=12, diagnostics=False, policy=policy)
+    first = BatchDecoder(target, ModelDrafter(draft), "lossless", config, pools=pools)
+    first.add([1], torch.Generator().manual_seed(0))
+    while first.active:
+        first.step()
+    [(key, pool)] = pools.items()
+    assert key[0] == "lossless" and pool.tests > 0
+    second = BatchDecoder(target, ModelDrafter(draft), "lossless", config, pools=pools)
+    row = second.add([1], torch.Generator().manual_seed(1))
+    other = second.add([1], torch.Generator().manual_seed(2), rule="lenience:l=0.5")
+    seen = second._rows[row].acceptance
+    assert seen.prior_tests == min(8, pool.tests) and seen.tests == 0
+    assert second._rows[other].acceptance.prior_tests == 0

@@ -528,7 +528,10 @@ class BatchDecoder:
     """
 
     def __init__(self, target: LanguageModel, drafter=None, rule: Rule | str | None = None,
-                 config: DecodeConfig | None = None):
+                 config: DecodeConfig | None = None, pools: dict | None = None):
+        """pools: adaptive rows' acceptance tests by (rule, sampling settings), the prior of the rows that
+        join after them (`AdaptivePolicy.new_row`, when its `pool_tests` is set); pass one dict to
+        decoders that follow one another (the server's) so it outlives each of them."""
         self.config = config or DecodeConfig()
         shape = self.config.tree
         if shape is not None:  # tree mode: every check before any forward pass
@@ -557,6 +560,12 @@ class BatchDecoder:
         self._paced: tuple[int, float] | None = None  # last paced prefill step: (tokens, seconds)
         self._credit = 0.0  # paced prefill: seconds of prefill the other rows' blocks have paid for
         self._block_seconds: float | None = None  # wall seconds of the last block of decoding rows
+        self._pools: dict[tuple, RowAcceptance] = {} if pools is None else pools
+
+    def _pool_key(self, rule: Rule | None, config: DecodeConfig) -> tuple:
+        """Rows that share acceptance evidence: the same rule and sampling settings."""
+        rule = rule or self.rule
+        return (None if rule is None else rule.spec, config.sampling)
 
     @property
     def active(self) -> list[int]:
@@ -594,7 +603,8 @@ class BatchDecoder:
         self._rows[row] = _Row(prompt=prompt, seq=prompt, generator=generator, config=config, stops=stops,
                                record=_Recorder(rule or self.rule, config), start=time.perf_counter(),
                                rule=rule or self.rule,
-                               acceptance=None if self.config.policy is None else RowAcceptance())
+                               acceptance=None if self.config.policy is None
+                               else self.config.policy.new_row(self._pools.get(self._pool_key(rule, config))))
         chunk = config.prefill_chunk
         if chunk is not None and self._trees is None and prompt.shape[0] - 1 > chunk:
             self._rows[row].to_feed = prompt.shape[0] - 1  # all but the last: its first block scores it
@@ -691,7 +701,7 @@ class BatchDecoder:
         else:  # each adaptive row's k from its own acceptance (a row without the policy keeps its k);
             # then whether the batch's block pays at all: if not, the adaptive rows draft nothing
             estimates = [r.acceptance.estimate for r in rows]
-            wanted = [policy.choose_k(a, r.acceptance.tests, r.acceptance.accepted) if r.adaptive
+            wanted = [policy.choose_k(a, *r.acceptance.evidence) if r.adaptive
                       else r.config.k for a, r in zip(estimates, rows)]
             # the adaptive rows weighed among themselves (a pinned row drafts its own k whatever this
             # decides, and may pin a k wider than the costs were measured for)
@@ -739,6 +749,8 @@ class BatchDecoder:
             r.blocks.append(Block(proposed=kk, accepted=n, emitted=keep))
             if r.acceptance is not None:
                 r.acceptance.update(kk, n)
+                if r.adaptive:
+                    self._pools.setdefault(self._pool_key(r.rule, r.config), RowAcceptance()).update(kk, n)
             r.seq = torch.cat([r.seq, kept])
             r.new += keep
             r.target_calls += 1
@@ -847,7 +859,7 @@ class BatchDecoder:
             return None
         return {"policy": "adaptive", "k_max": policy.k_max, "by_batch": policy.by_batch,
                 "costs": policy.costs.summary(), "k_per_block": list(seen.choices), "blocks_off": seen.off,
-                "acceptance_estimate": seen.estimate}
+                "acceptance_estimate": seen.estimate, "prior_tests": seen.prior_tests}
 
 
 def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequence[torch.Generator | None],

@@ -25,6 +25,13 @@ the posterior Beta(accepted + 1, rejected + 1) still gives at least a 5% chance 
 reaches the break-even one (the lowest at which some k beats plain decoding). This changes only how many
 tokens are drafted, never how they are verified: each
 token's law given the decoder's state is the rule's, and the decode loop records it as usual.
+
+Exploring costs the most on short requests: a 32-token request that drafts 7 tokens a block until it has
+made 8 tests spends a third of its tokens there. A long-lived decoder (the server's) can start each new
+row from the acceptance of the rows decoded before it (`AdaptivePolicy.pool_tests`): their accepted and
+total tests, scaled to weigh as at most that many tests, are the new row's prior counts, so once the
+server has seen the pair at work a new row explores only if the pooled evidence leaves speculation a
+chance to pay, and its own tests then take over. Off by default: a row's k then depends on that row alone.
 """
 
 from __future__ import annotations
@@ -104,10 +111,23 @@ class AdaptivePolicy:
     # (posterior probability below `explore_chance` that its acceptance reaches the break-even one).
     explore: int = 8
     explore_chance: float = 0.05
+    # a new row's prior: the rows before it on this decoder, weighed as at most this many tests (0: none)
+    pool_tests: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_max, int) or not 1 <= self.k_max <= self.costs.k_max:
             raise ValueError(f"k_max must be between 1 and the measured {self.costs.k_max}, got {self.k_max}")
+        if not isinstance(self.pool_tests, int) or self.pool_tests < 0:
+            raise ValueError(f"pool_tests must be an integer >= 0, got {self.pool_tests!r}")
+
+    def new_row(self, pool: RowAcceptance | None = None) -> RowAcceptance:
+        """A new row's acceptance record: with `pool_tests` and a pool of earlier rows' tests, their counts
+        scaled to weigh `pool_tests` tests at most (rounded), as its prior; else the uniform prior alone."""
+        if not self.pool_tests or pool is None or pool.tests == 0:
+            return RowAcceptance()
+        scale = min(1.0, self.pool_tests / pool.tests)
+        return RowAcceptance(prior_accepted=round(pool.accepted * scale),
+                             prior_tests=round(pool.tests * scale))
 
     def choose_k(self, acceptance: float, tests: int | None = None, accepted: int | None = None) -> int:
         """The k in 0..k_max with the fewest seconds per token at batch size 1 (ties: the smaller k). While
@@ -180,10 +200,17 @@ class RowAcceptance:
     tests: int = 0
     choices: list[int] = field(default_factory=list)  # the k of each block
     off: int = 0  # blocks where speculation was turned off for the batch
+    prior_accepted: int = 0  # counts carried from earlier rows (`AdaptivePolicy.new_row`)
+    prior_tests: int = 0
 
     @property
     def estimate(self) -> float:
-        return (self.accepted + 1) / (self.tests + 2)
+        return (self.accepted + self.prior_accepted + 1) / (self.tests + self.prior_tests + 2)
+
+    @property
+    def evidence(self) -> tuple[int, int]:
+        """(tests, accepted) the row's choices rest on: its own and its prior's."""
+        return self.tests + self.prior_tests, self.accepted + self.prior_accepted
 
     def update(self, proposed: int, accepted: int) -> None:
         self.accepted += accepted

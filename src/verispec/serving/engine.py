@@ -119,6 +119,8 @@ class Engine:
         self.error: BaseException | None = None
         self.ready = False  # the warm-up has run (`_warm_up`): /health answers 200 from then on
         self.policy: AdaptivePolicy | None = None  # --k auto: from the costs measured at warm-up
+        # --k auto: the requests' acceptance by rule and settings, a new request's prior
+        self.acceptance: dict = {}
 
     @property
     def waiting(self) -> int:
@@ -199,7 +201,9 @@ class Engine:
         if self.config.adaptive:  # the pair's pass costs at the batch sizes the server runs
             sizes = tuple(b for b in ADAPTIVE_BATCH_SIZES if b <= self.config.max_batch)
             costs = measure_costs(self.target, self.drafter, prompt, self.config.k_default, sizes)
-            self.policy = AdaptivePolicy(costs, self.config.k_default)
+            # a request starts from the acceptance of the requests before it (weighed as one exploration's
+            # tests), so short requests do not each pay for exploring
+            self.policy = AdaptivePolicy(costs, self.config.k_default, pool_tests=AdaptivePolicy.explore)
             log.info("--k auto: pass costs measured at batch sizes %s: %s", sizes, costs.summary())
         self.ready = True
         log.info("warm-up done in %.1f s", time.perf_counter() - started)
@@ -302,7 +306,7 @@ class Engine:
                 policy = self.policy if p.tree is None and not self.plain else None
                 dec = BatchDecoder(self.target, drafter, p.rule or "lossless",
                                    DecodeConfig(k=self.config.k_default, sampling=p.sampling, tree=p.tree,
-                                                policy=policy))
+                                                policy=policy), pools=self.acceptance)
                 self._groups[key] = dec
             config = DecodeConfig(k=p.k, max_new_tokens=p.max_tokens, sampling=p.sampling,
                                   stop_at_eos=not p.ignore_eos, diagnostics=self.config.diagnostics,

@@ -60,7 +60,9 @@ SPECULATION = {
                                                    "target_step_seconds"},
         "k_per_block": {"type": "array", "items": {"type": "integer"}, "description": "k of each block"},
         "blocks_off": _int("blocks decoded without drafts because speculation could not pay"),
-        "acceptance_estimate": _num("the row's acceptance estimate at its end"),
+        "acceptance_estimate": _num("the row's acceptance estimate at its end (its prior included)"),
+        "prior_tests": _int("acceptance tests carried from the requests before it as its prior (the server "
+                            "pools them; 0: the uniform prior alone)"),
     },
 }
 
