@@ -11,10 +11,11 @@ from scipy.stats import beta
 from stats import chisquare_pvalue
 from streams import joint_law
 from test_decode_toy import V, as_vector, law_fn, toy_pair
-from verispec.decode import BatchDecoder, DecodeConfig, decode_prompts
+from verispec.decode import BatchDecoder, DecodeConfig, decode_prompts, position_costs
 from verispec.models import ModelDrafter, load_drafter, load_model
 from verispec.sampling import SamplingConfig
-from verispec.speculation import AdaptivePolicy, Costs, RowAcceptance, expected_tokens, measure_costs
+from verispec.speculation import (AdaptivePolicy, Costs, RowAcceptance, expected_tokens, measure_costs,
+                                  row_seconds_per_token)
 
 # hand-made costs (seconds): at batch 1 a wider pass costs a little more and drafts are cheap, so the
 # best k grows with the acceptance; from batch 4 on a wide pass is expensive and speculation cannot pay
@@ -234,3 +235,50 @@ def test_decoders_sharing_a_pool_start_later_rows_from_earlier_ones():
     seen = second._rows[row].acceptance
     assert seen.prior_tests == min(8, pool.tests) and seen.tests == 0
     assert second._rows[other].acceptance.prior_tests == 0
+
+
+def test_the_other_work_per_position_counts_against_drafting():
+    """`Costs.position` (o): a block of k drafts does 2k + 1 positions of other work, plain decoding one,
+    so a large o moves the choice to plain decoding where the passes alone would draft."""
+    with_o = Costs(target=COSTS.target, draft=COSTS.draft, position={1: 0.2, 4: 0.0})
+    assert row_seconds_per_token(with_o, 0.5, 1) == pytest.approx((0.1 + 1.2 + 3 * 0.2) / 1.5)
+    assert row_seconds_per_token(with_o, 0.5, 0) == pytest.approx(1.2)
+    assert AdaptivePolicy(COSTS, k_max=2).choose_k(0.5) == 1
+    assert AdaptivePolicy(with_o, k_max=2).choose_k(0.5) == 0  # 1.267 s a token drafting, 1.2 plain
+    assert AdaptivePolicy(with_o, k_max=2).choose_k(0.95) == 2
+    assert with_o.summary()["1"]["o"] == pytest.approx(0.2) and COSTS.summary()["1"]["o"] == 0.0
+    # a batch of two at size-1 costs: (2 draft steps + 3-token pass + o (5 + 5)) for 2 E(0.9, 2) tokens
+    policy = AdaptivePolicy(with_o, k_max=2, by_batch=True)
+    block = 2 * 0.1 + 1.4 + 0.2 * 10
+    assert policy.pays([0.9, 0.9], [2, 2]) == (2 * expected_tokens(0.9, 2) / block > 2 / (1.0 + 2 * 0.2))
+    for bad in ({1: -0.1}, {1: float("nan")}, {2: 0.1}):
+        with pytest.raises(ValueError, match="per-position"):
+            Costs(target=COSTS.target, draft=COSTS.draft, position=bad)
+
+
+def test_position_costs_are_measured_on_real_blocks():
+    """`decode.position_costs` on the toy pair: each measured batch size gets a finite o >= 0 and the pass
+    costs are kept as they were."""
+    target, draft = toy_pair()
+    costs = measure_costs(target, ModelDrafter(draft), [1], 2, (1, 2))
+    measured = position_costs(costs, target, ModelDrafter(draft), [1], blocks=2)
+    assert measured.target == costs.target and measured.draft == costs.draft
+    assert set(measured.position) == {1, 2} and all(0 <= o < 1 for o in measured.position.values())
+    with pytest.raises(ValueError, match="k must be"):
+        position_costs(costs, target, ModelDrafter(draft), [1], k=3)
+
+
+def test_a_margin_keeps_plain_decoding_where_drafting_barely_pays():
+    """`margin`: drafting must beat plain decoding by that fraction on the model's numbers, per row and for
+    the batch; where it does by more, the choice is the margin-free one."""
+    # at a = 0.5, k = 1 costs 0.867 s a token against plain's 1.0: a 15% gain
+    assert AdaptivePolicy(COSTS, k_max=2, margin=0.1).choose_k(0.5) == 1
+    assert AdaptivePolicy(COSTS, k_max=2, margin=0.2).choose_k(0.5) == 0
+    assert AdaptivePolicy(COSTS, k_max=2, margin=0.2).choose_k(0.95) == 2
+    free, hedged = AdaptivePolicy(COSTS, k_max=2), AdaptivePolicy(COSTS, k_max=2, margin=0.2)
+    assert hedged.break_even > free.break_even
+    # batch 2 at size-1 costs: 2 E(0.6, 1) = 3.2 tokens per 1.3 s (2.46 a second) against plain's 2 a second
+    assert free.pays([0.6, 0.6], [1, 1]) and hedged.pays([0.6, 0.6], [1, 1])  # 2.46 > 1.2 x 2
+    assert not AdaptivePolicy(COSTS, k_max=2, margin=0.25).pays([0.6, 0.6], [1, 1])  # 2.46 < 1.25 x 2
+    with pytest.raises(ValueError, match="margin"):
+        AdaptivePolicy(COSTS, k_max=2, margin=-0.1)

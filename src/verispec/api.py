@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from verispec import defaults
-from verispec.decode import DecodeConfig, Generation, decode_prompts
+from verispec.decode import DecodeConfig, Generation, decode_prompts, position_costs
 from verispec.models import ModelDrafter, check_compatible, default_draft, load_drafter, load_model
 from verispec.logprobs import token_logprobs, totals
 from verispec.rules import Rule, parse
@@ -77,14 +77,16 @@ _COSTS: dict[tuple, tuple[Costs, object, object]] = {}
 
 
 def pair_costs(target, drafter, prompt_ids: list[int], sizes: tuple[int, ...],
-               sampling: SamplingConfig) -> Costs:
-    """The pair's pass costs on this machine (`verispec.speculation.measure_costs`), measured on the first
-    call for these models and batch sizes and reused by later calls in this process (with a large model
-    a measurement takes seconds: dozens of passes)."""
+               sampling: SamplingConfig, diagnostics: bool = True) -> Costs:
+    """The pair's pass costs on this machine (`verispec.speculation.measure_costs`) and a block's other
+    work per position (`decode.position_costs`, with or without diagnostics), measured on the first call
+    for these models, batch sizes and diagnostics and reused by later calls in this process (with a large
+    model a measurement takes seconds: dozens of passes)."""
     model = getattr(drafter, "model", drafter)
-    key = (id(target), id(model), sizes)
+    key = (id(target), id(model), sizes, diagnostics)
     if key not in _COSTS:
         costs = measure_costs(target, drafter, prompt_ids, AUTO_K_MAX, sizes, sampling=sampling)
+        costs = position_costs(costs, target, drafter, prompt_ids, diagnostics=diagnostics)
         _COSTS[key] = (costs, target, model)
     return _COSTS[key][0]
 
@@ -427,7 +429,8 @@ def generate(
     policy = None
     if adaptive and drafter is not None:
         sizes = tuple(sorted({1, min(batch_size, len(prompt_ids))}))
-        policy = AdaptivePolicy(pair_costs(target_model, drafter, prompt_ids[0], sizes, sampling), AUTO_K_MAX)
+        costs = pair_costs(target_model, drafter, prompt_ids[0], sizes, sampling, diagnostics)
+        policy = AdaptivePolicy(costs, AUTO_K_MAX, margin=defaults.AUTO_MARGIN)
     config = DecodeConfig(k=k, max_new_tokens=max_new_tokens, sampling=sampling, diagnostics=diagnostics,
                           policy=policy, tree=shape)
     generators = [torch.Generator().manual_seed(s) for s in seeds]

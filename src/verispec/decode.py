@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -34,7 +34,7 @@ from verispec.rules import Rule, parse
 from verispec.rules.base import refuse_diagnostics_without_law
 from verispec.probability import sample_from
 from verispec.sampling import SamplingConfig, process, process_rows
-from verispec.speculation import AdaptivePolicy, RowAcceptance
+from verispec.speculation import AdaptivePolicy, Costs, RowAcceptance
 from verispec.tree_decode import (TreeScorer, TreeVerification, draft_trees, refuse_tree_rule, shape_depth,
                                   tree_verification, verify_block)
 from verispec.trees import DraftShape, MultiDraft, check_depth, parse_shape
@@ -860,6 +860,38 @@ class BatchDecoder:
         return {"policy": "adaptive", "k_max": policy.k_max, "by_batch": policy.by_batch,
                 "costs": policy.costs.summary(), "k_per_block": list(seen.choices), "blocks_off": seen.off,
                 "acceptance_estimate": seen.estimate, "prior_tests": seen.prior_tests}
+
+
+def position_costs(costs: Costs, target: LanguageModel, drafter, prompt_ids: list[int], k: int | None = None,
+                   blocks: int = 4, diagnostics: bool = True) -> Costs:
+    """`costs` with each measured batch size's other work per position and row (`Costs.position`): B rows
+    of `prompt_ids` decode `blocks` lossless blocks of k drafts after an untimed first one, and the median
+    block's seconds less its passes (k draft steps and a (k + 1)-token target pass, as measured), spread
+    over its B * (2k + 1) positions (k + 1 target, k draft), floored at 0. With `diagnostics` as the
+    decoder will run: the exact law of each position is part of that work. k: 2 (or the widest measured)
+    by default."""
+    k = min(2, costs.k_max) if k is None else k
+    if not isinstance(k, int) or not 1 <= k <= costs.k_max or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"k must be in 1..{costs.k_max} and blocks >= 1, got k={k!r}, blocks={blocks!r}")
+    config = DecodeConfig(k=k, max_new_tokens=(blocks + 2) * (k + 1), stop_at_eos=False,
+                          diagnostics=diagnostics)
+    position = {}
+    for b in sorted(costs.target):
+        decoder = BatchDecoder(target, drafter, "lossless", config)
+        for i in range(b):
+            decoder.add(prompt_ids, torch.Generator().manual_seed(i))
+        decoder.step()  # prompts fed, first block: untimed
+        times = []
+        for _ in range(blocks):
+            start = time.perf_counter()
+            decoder.step()
+            times.append(time.perf_counter() - start)
+        for row in decoder.active:
+            decoder.cancel(row)
+        block = sorted(times)[len(times) // 2]
+        passes = k * costs.draft[b] + costs.target[b][k]
+        position[b] = max(0.0, block - passes) / (b * (2 * k + 1))
+    return replace(costs, position=position)
 
 
 def decode_prompts(target: LanguageModel, prompts: Sequence, generators: Sequence[torch.Generator | None],

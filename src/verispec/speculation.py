@@ -6,11 +6,15 @@ bonus token), and costs `k` draft steps plus one target pass over `k + 1` tokens
 one token per one-token target pass. So with measured seconds `D` (one draft step) and `T(m)` (a target
 pass over m tokens per row), the seconds per token of a row are
 
-    k = 0:  T(1)                          (no drafts: one pass, one token)
-    k > 0:  (k * D + T(k + 1)) / E(a, k)
+    k = 0:  T(1) + o                      (no drafts: one pass, one token)
+    k > 0:  (k * D + T(k + 1) + (2k + 1) o) / E(a, k)
 
 and the best k minimises it (Leviathan et al.'s eq. 3 uses T(k + 1) = T(1), a target pass whose cost
 does not grow with its width; on a CPU it does, which is why the passes are measured, not assumed).
+`o` is the work a block does per position and row besides the passes (processing a V-sized row of
+logits, drawing, the rule's law and the diagnostics): k + 1 target positions and k draft positions a
+block. It is measured on real blocks (`decode.position_costs`); left out (0), a pair whose passes are
+cheap beside that work looks faster drafting than it is.
 
 In a batch, the rows share passes: a block of B rows costs `max_i k_i` draft steps and one target pass of
 width `max_i k_i + 1` at batch size B, and emits `sum_i E(a_i, k_i)` tokens; plain decoding emits B
@@ -50,14 +54,20 @@ from verispec.sampling import SamplingConfig
 @dataclass(frozen=True)
 class Costs:
     """Measured seconds per batch size B: `target[B][m - 1]` a target pass over m tokens per row
-    (m = 1 .. k_max + 1), `draft[B]` one draft step (one token per row: pass, processing, sampling)."""
+    (m = 1 .. k_max + 1), `draft[B]` one draft step (one token per row: pass, processing, sampling),
+    `position[B]` the other work of a block per position and row (None or a missing size: 0)."""
 
     target: dict[int, tuple[float, ...]]
     draft: dict[int, float]
+    position: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.target or set(self.target) != set(self.draft):
             raise ValueError("costs need the same batch sizes for the target and the draft, at least one")
+        for b, o in (self.position or {}).items():
+            if b not in self.target or not (math.isfinite(o) and o >= 0):
+                raise ValueError(f"the per-position cost at batch size {b} must be finite seconds >= 0 at a "
+                                 f"measured batch size, got {o}")
         for b, row in self.target.items():
             if not row or not all(math.isfinite(t) and t > 0 for t in row) or not self.draft[b] >= 0:
                 raise ValueError(f"costs at batch size {b} must be positive and finite seconds, got "
@@ -74,11 +84,17 @@ class Costs:
         below = [b for b in sizes if b <= batch]
         return below[-1] if below else sizes[0]
 
+    def other(self, batch: int) -> float:
+        """Seconds of a block's other work per position and row at the measured size used for `batch`."""
+        return (self.position or {}).get(self.at(batch), 0.0)
+
     def summary(self) -> dict:
-        """c (draft step / one-token target step) and v(k) (a (k+1)-token pass / a one-token step) per
-        measured batch size: the two ratios of the issue tracker's and Leviathan et al.'s cost model."""
+        """c (draft step / one-token target step), v(k) (a (k+1)-token pass / a one-token step) and o (the
+        other work per position and row / a one-token step) per measured batch size: the ratios of
+        Leviathan et al.'s cost model, with o added."""
         return {str(b): {"c": self.draft[b] / row[0], "v": [t / row[0] for t in row],
-                         "target_step_seconds": row[0]} for b, row in sorted(self.target.items())}
+                         "o": (self.position or {}).get(b, 0.0) / row[0], "target_step_seconds": row[0]}
+                for b, row in sorted(self.target.items())}
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -93,7 +109,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 def row_seconds_per_token(costs: Costs, acceptance: float, k: int, batch: int = 1) -> float:
     """Seconds per emitted token of one row with k drafts per block, at batch size `batch`."""
     b = costs.at(batch)
-    return (k * costs.draft[b] + costs.target[b][k]) / expected_tokens(acceptance, k)
+    return ((k * costs.draft[b] + costs.target[b][k] + (2 * k + 1) * costs.other(b))
+            / expected_tokens(acceptance, k))
 
 
 @dataclass(frozen=True)
@@ -113,12 +130,21 @@ class AdaptivePolicy:
     explore_chance: float = 0.05
     # a new row's prior: the rows before it on this decoder, weighed as at most this many tests (0: none)
     pool_tests: int = 0
+    # drafting must beat plain decoding's seconds per token by this fraction, on the model's numbers: a
+    # hedge against the model's error (`defaults.AUTO_MARGIN` in `generate` and the server; 0 here)
+    margin: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k_max, int) or not 1 <= self.k_max <= self.costs.k_max:
             raise ValueError(f"k_max must be between 1 and the measured {self.costs.k_max}, got {self.k_max}")
         if not isinstance(self.pool_tests, int) or self.pool_tests < 0:
             raise ValueError(f"pool_tests must be an integer >= 0, got {self.pool_tests!r}")
+        if not (isinstance(self.margin, (int, float)) and 0 <= self.margin < 10):
+            raise ValueError(f"margin must be a fraction >= 0, got {self.margin!r}")
+
+    def _seconds(self, acceptance: float, k: int) -> float:
+        """Seconds per token at batch size 1, drafting handicapped by the margin."""
+        return row_seconds_per_token(self.costs, acceptance, k) * (1.0 + self.margin if k else 1.0)
 
     def new_row(self, pool: RowAcceptance | None = None) -> RowAcceptance:
         """A new row's acceptance record: with `pool_tests` and a pool of earlier rows' tests, their counts
@@ -135,7 +161,7 @@ class AdaptivePolicy:
         at least `explore_chance` that speculation pays), at least `explore_k`: the k that pays best if
         every draft is accepted, the only case exploring is for (a k = 1 block can cost more than the two
         tokens it can emit, and tests one token a block)."""
-        best = min(range(self.k_max + 1), key=lambda k: (row_seconds_per_token(self.costs, acceptance, k), k))
+        best = min(range(self.k_max + 1), key=lambda k: (self._seconds(acceptance, k), k))
         if tests is None or tests >= self.explore or not self.can_pay:
             return best
         if accepted is not None and self.chance_to_pay(accepted, tests) < self.explore_chance:
@@ -150,8 +176,8 @@ class AdaptivePolicy:
 
     def beats_plain(self, acceptance: float) -> bool:
         """Whether some k > 0 emits a token in fewer seconds than plain decoding at batch size 1."""
-        plain = row_seconds_per_token(self.costs, acceptance, 0)
-        return any(row_seconds_per_token(self.costs, acceptance, k) < plain for k in range(1, self.k_max + 1))
+        plain = self._seconds(acceptance, 0)
+        return any(self._seconds(acceptance, k) < plain for k in range(1, self.k_max + 1))
 
     @cached_property
     def can_pay(self) -> bool:
@@ -187,9 +213,10 @@ class AdaptivePolicy:
         if batch == 1:
             return True
         b = self.costs.at(batch)
-        block = width * self.costs.draft[b] + self.costs.target[b][width]
+        other = self.costs.other(b)
+        block = width * self.costs.draft[b] + self.costs.target[b][width] + other * sum(2 * k + 1 for k in ks)
         tokens = sum(expected_tokens(a, k) for a, k in zip(acceptances, ks))
-        return tokens / block > batch / self.costs.target[b][0]
+        return tokens / block > (1.0 + self.margin) * batch / (self.costs.target[b][0] + other * batch)
 
 
 @dataclass

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec import api
-from verispec.decode import BatchDecoder, DecodeConfig, Generation, decode_prompts
+from verispec import api, defaults
+from verispec.decode import BatchDecoder, DecodeConfig, Generation, decode_prompts, position_costs
 from verispec.logprobs import prompt_logprobs, token_logprobs
 from verispec.rules import Rule
 from verispec.sampling import SamplingConfig
@@ -201,9 +201,12 @@ class Engine:
         if self.config.adaptive:  # the pair's pass costs at the batch sizes the server runs
             sizes = tuple(b for b in ADAPTIVE_BATCH_SIZES if b <= self.config.max_batch)
             costs = measure_costs(self.target, self.drafter, prompt, self.config.k_default, sizes)
+            costs = position_costs(costs, self.target, self.drafter, prompt,
+                                   diagnostics=self.config.diagnostics)
             # a request starts from the acceptance of the requests before it (weighed as one exploration's
             # tests), so short requests do not each pay for exploring
-            self.policy = AdaptivePolicy(costs, self.config.k_default, pool_tests=AdaptivePolicy.explore)
+            self.policy = AdaptivePolicy(costs, self.config.k_default, pool_tests=AdaptivePolicy.explore,
+                                         margin=defaults.AUTO_MARGIN)
             log.info("--k auto: pass costs measured at batch sizes %s: %s", sizes, costs.summary())
         self.ready = True
         log.info("warm-up done in %.1f s", time.perf_counter() - started)

@@ -57,7 +57,8 @@ SPECULATION = {
                                                        "batch's size"},
         "costs": {"type": "object", "description": "per measured batch size: c (draft step / target "
                                                    "step), v (a (k+1)-token pass / target step, k = 0..), "
-                                                   "target_step_seconds"},
+                                                   "o (a block's other work per position and row / target "
+                                                   "step), target_step_seconds"},
         "k_per_block": {"type": "array", "items": {"type": "integer"}, "description": "k of each block"},
         "blocks_off": _int("blocks decoded without drafts because speculation could not pay"),
         "acceptance_estimate": _num("the row's acceptance estimate at its end (its prior included)"),
