@@ -167,6 +167,32 @@ def report_overhead(n: int = 16, max_tokens: int = 64) -> dict:
     return {"report_build_fraction": build / decode, "diagnostics_fraction": diag / decode}
 
 
+def interleaved(args, modes: dict, envs: dict) -> list[dict]:
+    """Every mode's server up at once (idle ones cost nothing), then per concurrency level and round the
+    modes one after the other: a ratio's two sides are measured seconds apart."""
+    servers = {}
+    try:
+        for mode in args.modes:
+            servers[mode] = start_server(modes[mode], wait=600, env=envs.get(mode), max_batch=args.max_batch)
+        for _, url in servers.values():
+            asyncio.run(level(url, 4, 8, args.max_tokens))  # warm up (first batch shapes are slow)
+        rows = []
+        for c in args.concurrency:
+            n = args.requests or max(4, c)
+            for turn in range(args.rounds):
+                for mode, (_, url) in servers.items():
+                    mixed = mode == "lossless-mixed"
+                    row = {"mode": mode, "round": turn,
+                           **asyncio.run(level(url, c, n, args.max_tokens, mixed))}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        return rows
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+
+
 def paired_ratios(rows: list[dict]) -> list[str]:
     """Each speculative mode's throughput over plain's at each concurrency, paired by round (a round's
     servers ran one after the other), then over the rounds: their geometric mean and 95% interval
@@ -213,9 +239,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the modes in turn this many times (a fresh server each time); each "
                              "mode's throughput against plain is then paired by round, with its spread")
+    parser.add_argument("--interleave", action="store_true",
+                        help="start every mode's server first, then run each level's rounds with the modes "
+                             "back to back (seconds apart instead of a server start apart, so the machine's "
+                             "drift falls on both sides of a ratio); no long prompt, no Ray")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.interleave and (args.long_prompt or args.ray_replicas):
+        parser.error("--interleave measures the short load only (no --long-prompt, no --ray-replicas)")
     pair = ["--target", args.target, "--draft", args.draft]
     modes = {"lossless": [*pair, "--rule", "lossless"], "plain": [*pair[:2], "--draft", "none"],
              "lossless-nodiag": [*pair, "--rule", "lossless", "--no-diagnostics"]}
@@ -226,7 +258,9 @@ def main() -> None:
     for n in args.ray_replicas:
         modes[f"lossless-ray{n}"] = [*modes["lossless"], "--ray", "--replicas", str(n)]
     rows, longs = [], []
-    turns = [(r, mode) for r in range(args.rounds)
+    if args.interleave:
+        rows = interleaved(args, modes, envs)
+    turns = [] if args.interleave else [(r, mode) for r in range(args.rounds)
              for mode in [*args.modes, *(f"lossless-ray{n}" for n in args.ray_replicas)]]
     for turn, mode in turns:
         proc, url = start_server(modes[mode], wait=600, env=envs.get(mode),  # a large pair loads in minutes
