@@ -184,3 +184,18 @@ def test_an_interrupted_pack_leaves_the_rows_reading_from_the_old_steps(tmp_path
     seal_rows(path)
     assert "steps-0badf00d.bin.xz" not in packs(path.parent) and len(packs(path.parent)) == 1
     assert json.dumps(read_rows(path)) == json.dumps(rows)
+
+
+def test_steps_false_resolves_references_and_leaves_steps_stored(tmp_path):
+    """`scan_rows(steps=False)`: references resolved (their source's steps not read), stored steps left as
+    pointers; the same rows otherwise."""
+    write(tmp_path / "a" / "results.jsonl", [])
+    with ResultsFile(tmp_path / "a" / "results.jsonl") as store:
+        store.append(results_row("u1", steps=STEPS, text="hi"))
+    mine = write(tmp_path / "b" / "results.jsonl", [{"schema": 2, "unit": "u1", SAME_AS: "a", "run": "r"}])
+    seal_rows(tmp_path / "a" / "results.jsonl")
+    light, full = scan_rows(mine, steps=False).rows, scan_rows(mine).rows
+    assert light[0]["text"] == "hi" == full[0]["text"] and light[0]["run"] == "r"
+    assert light[0]["steps"]["stored"] in packs(tmp_path / "a") and full[0]["steps"]["role"] == STEPS["role"]
+    assert ({k: v for k, v in light[0].items() if k != "steps"}
+            == {k: v for k, v in full[0].items() if k != "steps"})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import results_row
+from verispec.evaluation.rowcheck import row_problem
 from verispec.evaluation.store import SAME_AS, read_rows, reference_row, scan_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,13 +55,15 @@ def test_a_reference_cannot_drop_a_field():
 @pytest.mark.slow
 def test_every_committed_reference_resolves_to_a_valid_row():
     sweeps = REPO / "benchmarks" / "sweeps"
-    with_refs = [spec.parent / "results.jsonl" for spec in sorted(sweeps.glob("*/sweep.json"))
-                 if any(SAME_AS in r for r in scan_rows(spec.parent / "results.jsonl", resolve=False).rows)]
-    if not with_refs:
-        pytest.skip("no sweep stores references")
-    for path in with_refs:
-        refs = sum(SAME_AS in r for r in scan_rows(path, resolve=False).rows)
-        rows = read_rows(path)
-        scan = scan_rows(path)
+    checked = 0
+    for spec in sorted(sweeps.glob("*/sweep.json")):
+        path = spec.parent / "results.jsonl"
+        stored = scan_rows(path, resolve=False).rows
+        if not any(SAME_AS in r for r in stored):
+            continue
+        scan = scan_rows(path, check=row_problem)  # references and steps resolved, every row checked
         assert not scan.invalid and not scan.skipped, (path, scan.invalid[:3])
-        assert len(rows) == len(scan_rows(path, resolve=False).rows) and refs > 0
+        assert len(scan.rows) == len(stored)
+        checked += 1
+    if not checked:
+        pytest.skip("no sweep stores references")

@@ -186,7 +186,8 @@ def reference_row(row: dict, source_name: str, source_row: dict) -> dict:
     return ref
 
 
-def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -> dict | str:
+def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str],
+             steps: bool = True) -> dict | str:
     """The whole row a reference stands for, or the reason it cannot be read (a str)."""
     name = ref[SAME_AS]
     if not isinstance(name, str) or not _SWEEP_NAME.fullmatch(name) or name in (".", ".."):
@@ -196,7 +197,7 @@ def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -
         if not has_rows(source):
             sources[name] = f"its source {source} does not exist"
         else:
-            scan = scan_rows(source, references=False)  # its own steps read from its own folder
+            scan = scan_rows(source, references=False, steps=steps)  # its steps read from its own folder
             sources[name] = {row.get("unit"): row for row in scan.rows if SAME_AS not in row}
     index = sources[name]
     if isinstance(index, str):
@@ -209,7 +210,7 @@ def _resolve(path: Path, ref: dict, sources: dict[str, dict[str, dict] | str]) -
 
 def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
               max_bytes: int = MAX_RESULTS_BYTES, resolve: bool = True,
-              references: bool | None = None) -> ScanResult:
+              references: bool | None = None, steps: bool = True) -> ScanResult:
     """Rows of a results file with their line numbers; bad lines are skipped, logged and counted.
 
     A last line without its newline is the unit a kill interrupted: ignored quietly (`ResultsFile`
@@ -217,13 +218,15 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
     same way, named with its line and the problem (`invalid`), so no reader counts it and `--resume`
     decodes its unit again. A reference row (`same_as`) is resolved to the whole row it stands for, and
     steps stored in steps.bin (`stepstore`) are read back (`resolve=False`: rows kept as written;
-    `references=False`: steps read, references kept); one that cannot be is invalid. Raises ValueError
+    `references=False`: steps read, references kept; `steps=False`: references resolved, stored steps
+    and token ids left as pointers, for readers of the scalars and text alone, much faster on a large
+    sweep); one that cannot be is invalid. Raises ValueError
     naming the path if the file cannot be read at all, is not a regular file, or is larger than
     `max_bytes`."""
     out = ScanResult()
     sources: dict[str, dict[str, dict] | str] = {}
     references = resolve if references is None else references
-    steps = StepsReader(Path(path).parent)
+    reader = StepsReader(Path(path).parent)
     path = Path(path)
     if not os.path.lexists(path):
         path = sealed_file(path)
@@ -252,11 +255,11 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
             continue
         why = None
         if references and SAME_AS in row:
-            row = _resolve(path, row, sources)
+            row = _resolve(path, row, sources, steps)
             if isinstance(row, str):
                 why, row = f"a reference that cannot be resolved: {row}", {}
-        elif resolve:
-            row = resolve_row(steps, row)
+        elif resolve and steps:
+            row = resolve_row(reader, row)
             if isinstance(row, str):
                 why, row = row, {}
         if why is None and check is not None:
