@@ -96,8 +96,14 @@ def test_an_interrupted_seal_reads_the_plain_rows_and_sealing_again_finishes(tmp
     data = path.read_bytes()
     sealed_file(path).write_bytes(lzma.compress(data))  # the sealed file renamed in, the plain one still here
     assert [r["unit"] for r in read_rows(path)] == ["u1"]
+    with pytest.raises(ValueError, match="sealed"):  # half-sealed: not appendable either
+        ResultsFile(path)
     seal_rows(path)
     assert not path.exists() and read_sealed(sealed_file(path)) == data
+    sealed_file(path).write_bytes(lzma.compress(b"other rows\n"))  # an interrupted seal, then unsealed:
+    path.write_bytes(data)  # the plain rows (the ones read) are kept, the sealed file goes
+    unseal_rows(path)
+    assert path.read_bytes() == data and not sealed_file(path).exists()
 
 
 def test_sealing_a_committed_sweep_keeps_its_report(tmp_path):

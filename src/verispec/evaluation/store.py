@@ -13,6 +13,10 @@ A row another sweep already holds is stored as a reference (`same_as`): `{"schem
 it is, and carries only the fields where it differs (`reused_from`, `run`). Readers see the whole row
 (`scan_rows` resolves it); a reference whose source is missing, or names a path rather than a sibling,
 is an invalid row, named with its line like any other.
+
+A finished sweep can be sealed (`seal_rows`): its rows compressed into results.jsonl.xz and its steps
+packed into one file (`stepstore.pack_records`); readers read it as before, writers refuse it until
+`unseal_rows` (docs/design/evaluation.md, 'Sweep units and reuse').
 """
 
 from __future__ import annotations
@@ -220,9 +224,9 @@ def scan_rows(path: Path, check: Callable[[dict], str | None] | None = None,
     steps stored in steps.bin (`stepstore`) are read back (`resolve=False`: rows kept as written;
     `references=False`: steps read, references kept; `steps=False`: references resolved, stored steps
     and token ids left as pointers, for readers of the scalars and text alone, much faster on a large
-    sweep); one that cannot be is invalid. Raises ValueError
-    naming the path if the file cannot be read at all, is not a regular file, or is larger than
-    `max_bytes`."""
+    sweep); one that cannot be is invalid. A sealed sweep (`seal_rows`) is read from results.jsonl.xz
+    when the plain file is absent. Raises ValueError naming the path if the file cannot be read at all,
+    is not a regular file, or is larger than `max_bytes`."""
     out = ScanResult()
     sources: dict[str, dict[str, dict] | str] = {}
     references = resolve if references is None else references
@@ -381,14 +385,15 @@ def seal_rows(results_path: Path) -> Path:
 
 
 def unseal_rows(results_path: Path) -> Path:
-    """`seal_rows`' inverse: results.jsonl again from its sealed file, which is then removed."""
+    """`seal_rows`' inverse: results.jsonl again from its sealed file, which is then removed (the packed
+    steps stay: the rows point into them). Where both exist (a seal interrupted before the plain rows
+    went) the plain rows are the ones every reader reads, and their steps files are still there: the
+    sealed file is removed and the plain rows kept."""
     results_path = Path(results_path)
     sealed = sealed_file(results_path)
     with DirectoryLock(results_path.parent):
-        data = read_sealed(sealed)
-        if results_path.exists() and read_regular_file(results_path, MAX_RESULTS_BYTES) != data:
-            raise ValueError(f"{results_path} and {sealed} both exist and differ; keep the right one")
-        _write_atomic(results_path, data)
+        if not results_path.exists():
+            _write_atomic(results_path, read_sealed(sealed))
         sealed.unlink()
     return results_path
 
