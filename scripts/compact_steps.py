@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from verispec.evaluation.report import write_report
-from verispec.evaluation.stepstore import PACK_NAME, STEPS_FILE, compact_row
+from verispec.evaluation.stepstore import STEPS_FILE, compact_row, steps_files
 from verispec.evaluation.store import (SAME_AS, load_row, read_sealed, refuse_sealed, seal_rows, sealed_file,
                                        strict_json, unseal_rows)
 
@@ -41,11 +41,6 @@ def _report(sweep: Path, work: Path) -> tuple[str, str]:
     return markdown, text
 
 
-def _steps_files(directory: Path) -> list[str]:
-    """The steps files in a sweep directory: steps.bin and packs (`stepstore.pack_records`)."""
-    return sorted(p.name for p in directory.iterdir() if p.name == STEPS_FILE or PACK_NAME.fullmatch(p.name))
-
-
 def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int]:
     """(rows, rows moved, bytes saved) for one sweep. A sealed sweep is sealed again (its steps re-packed)
     with `seal`, and refused without it."""
@@ -57,7 +52,7 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
     else:
         refuse_sealed(results)  # a sealed sweep: unseal it to change it, or seal it again
         raise FileNotFoundError(f"{results} does not exist")
-    old_steps = _steps_files(sweep)
+    old_steps = steps_files(sweep)
     old_size = sum((sweep / n).stat().st_size for n in [RESULTS, sealed.name, *old_steps]
                    if (sweep / n).exists())
     with tempfile.TemporaryDirectory(dir=sweep.parent) as tmp:
@@ -77,7 +72,7 @@ def compact(sweep: Path, check: bool, seal: bool = False) -> tuple[int, int, int
         (work / RESULTS).write_bytes(b"".join(line + b"\n" for line in lines))
         if seal:
             seal_rows(work / RESULTS)
-        new_steps = _steps_files(work)
+        new_steps = steps_files(work)
         kept = [work / n for n in [RESULTS, sealed.name, *new_steps] if (work / n).exists()]
         new_size = sum(p.stat().st_size for p in kept)
         unchanged = moved == 0 and not seal and lines == [line for line in raw.split(b"\n") if line.strip()]

@@ -23,7 +23,6 @@ import json
 import lzma
 import os
 import re
-import stat
 import struct
 import zlib
 from json.decoder import NaN
@@ -161,31 +160,29 @@ def is_pointer(steps) -> bool:
     return isinstance(steps, dict) and STORED in steps
 
 
-def read_xz(path: Path, max_bytes: int, what: str) -> bytes:
-    """The decompressed bytes of an .xz file. ValueError naming the path if it is not a regular file of
-    at most `max_bytes`, is damaged or cut short, or expands past `max_bytes` (checked while
-    decompressing, so a small file that expands without bound is refused, not read into memory)."""
-    try:
-        info = os.stat(path)
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
-        raise ValueError(f"{path} is not a regular file of at most {max_bytes:,} bytes; give a {what}")
-    with open(path, "rb") as f:
-        packed = f.read(max_bytes + 1)
+def decompress_xz(packed: bytes, max_bytes: int, where: str) -> bytes:
+    """The decompressed bytes of an .xz file's contents. ValueError naming `where` if they are damaged or
+    cut short, or expand past `max_bytes` (checked while decompressing, so a small file that expands
+    without bound is refused, not read into memory)."""
     decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
     try:
         data = decompressor.decompress(packed, max_length=max_bytes + 1)
     except lzma.LZMAError as err:
-        raise ValueError(f"{path} is damaged ({err})") from None
+        raise ValueError(f"{where} is damaged ({err})") from None
     if len(data) > max_bytes:
-        raise ValueError(f"{path} holds more than {max_bytes:,} bytes, a {what}'s limit")
+        raise ValueError(f"{where} holds more than {max_bytes:,} bytes once decompressed")
     if not decompressor.eof or decompressor.unused_data:
-        raise ValueError(f"{path} is damaged (cut short, or bytes after its end)")
+        raise ValueError(f"{where} is damaged (cut short, or bytes after its end)")
     return data
 
 
-MAX_PACK_BYTES = 4 * 2**30  # a packed steps file's decompressed size (`read_xz` refuses more)
+def steps_files(directory: Path) -> list[str]:
+    """The steps files in a sweep directory: steps.bin and packs (`pack_records`), by name."""
+    return sorted(p.name for p in Path(directory).iterdir()
+                  if p.name == STEPS_FILE or PACK_NAME.fullmatch(p.name))
+
+
+MAX_PACK_BYTES = 4 * 2**30  # a packed steps file's decompressed size (`decompress_xz` refuses more)
 
 
 def pack_records(records: list[bytes]) -> tuple[str, bytes, list[dict]]:
@@ -219,7 +216,7 @@ class StepsReader:
                 self.files[name] = path.read_bytes()
             else:
                 try:
-                    self.files[name] = read_xz(path, MAX_PACK_BYTES, "packed steps file")
+                    self.files[name] = decompress_xz(path.read_bytes(), MAX_PACK_BYTES, str(path))
                 except ValueError as err:
                     self.files[name] = str(err)
         return self.files[name]

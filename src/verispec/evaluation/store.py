@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Callable
 
 from verispec.evaluation.rowcheck import row_problem
-from verispec.evaluation.stepstore import (PACK_NAME, STEPS_FILE, STORED_FIELDS, StepsReader, compact_row,
-                                          encode_steps, is_pointer, pack_records, read_xz, resolve_row)
+from verispec.evaluation.stepstore import (STORED_FIELDS, StepsReader, compact_row, decompress_xz,
+                                          encode_steps, is_pointer, pack_records, resolve_row, steps_files)
 from verispec.machine import describe
 
 log = logging.getLogger(__name__)
@@ -296,9 +296,9 @@ def has_rows(results_path: Path) -> bool:
 
 def read_sealed(path: Path, max_bytes: int = MAX_RESULTS_BYTES) -> bytes:
     """The rows' text of a sealed results file (`seal_rows`). ValueError naming the path if it is not a
-    regular file, is damaged, or holds more than `max_bytes` of text (`stepstore.read_xz`)."""
-    check_regular_file(path, MAX_SEALED_BYTES, "sealed results file")
-    return read_xz(path, max_bytes, "results file")
+    regular file, is damaged, or holds more than `max_bytes` of text (`stepstore.decompress_xz`)."""
+    packed = read_regular_file(path, MAX_SEALED_BYTES, "sealed results file")
+    return decompress_xz(packed, max_bytes, str(path))
 
 
 def refuse_sealed(results_path: Path) -> None:
@@ -361,7 +361,7 @@ def seal_rows(results_path: Path) -> Path:
                     records.append(encode_steps(reader.load(row[key]), compress=False))
                     slots.append((len(rows), key))
             rows.append(row)
-        old_packs = {p.name for p in directory.iterdir() if PACK_NAME.fullmatch(p.name)}
+        old_steps = steps_files(directory)
         name = None
         if records:
             name, packed, pointers = pack_records(records)
@@ -379,7 +379,7 @@ def seal_rows(results_path: Path) -> Path:
         if json.dumps(after.rows, sort_keys=True) != json.dumps(before.rows, sort_keys=True):
             _write_atomic(results_path, data)  # the rows as they were; the plain file is read again
             raise ValueError(f"{sealed} does not read back as {results_path}; the plain rows are restored")
-        for old in [STEPS_FILE, *sorted(old_packs - {name})]:  # no row points at them now
+        for old in [n for n in old_steps if n != name]:  # no row points at them now
             (directory / old).unlink(missing_ok=True)
     return sealed
 
