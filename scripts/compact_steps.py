@@ -4,8 +4,8 @@ seal it (`store.seal_rows`): rows compressed into results.jsonl.xz, steps packed
 steps-<crc32>.bin.xz; a finished sweep then weighs about a tenth of its inline rows, and is read-only
 until unsealed. `--seal` on a sealed sweep packs its steps again.
 
-    python scripts/compact_steps.py benchmarks/sweeps/qwen-mtbench-pilot [...] [--seal] [--check]
-    python scripts/compact_steps.py --unseal benchmarks/sweeps/qwen-mtbench-pilot   # to add rows again
+    python scripts/compact_steps.py study/sweeps/qwen-mtbench-pilot [...] [--seal] [--check]
+    python scripts/compact_steps.py --unseal study/sweeps/qwen-mtbench-pilot   # to add rows again
 
 The report of each sweep (`verispec report --markdown`, and its HTML) must read the same before and after
 (numbers are stored as float32; the reports print 3-4 digits); otherwise nothing is changed and the sweep

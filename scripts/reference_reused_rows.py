@@ -1,7 +1,7 @@
 """Replace rows a sweep copied from another (`--reuse-from`) by references to the sweep that decoded them
 (`verispec.evaluation.store`, `same_as`), so a copied row costs a line instead of its tokens and steps.
 
-    python scripts/reference_reused_rows.py benchmarks/sweeps/qwen-mtbench-seeds012 [...] [--check]
+    python scripts/reference_reused_rows.py study/sweeps/qwen-mtbench-seeds012 [...] [--check]
 
 A copied row becomes a reference only if the row it would resolve to is the same row (every field, NaN
 included); the file is rewritten atomically and read back before it replaces the old one, and the

@@ -1,5 +1,5 @@
-"""Shared fixtures for the rule tests: catalogue specs and (p, q) cases with edge cases; a loader for the
-scripts under benchmarks/ that tests exercise."""
+"""Shared fixtures for the rule tests: catalogue specs and (p, q) cases with edge cases; loaders for the
+scripts under benchmarks/ and study/ that tests exercise; where the study's committed sweeps are."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from verispec.evaluation.sandbox import isolation
 
 REPO = Path(__file__).resolve().parents[1]
+SWEEPS = REPO / "study" / "sweeps"  # the study's committed sweeps (study/README.md)
 
 
 # tests that run committed model output (generated code) run only inside bubblewrap
@@ -22,22 +23,30 @@ needs_bwrap = pytest.mark.skipif(isolation()[0] != "bwrap",
                                  reason=f"runs model-generated code, so needs bubblewrap: {isolation()[1]}")
 
 
-def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py imported as a module (the folder is not a package; its scripts import their
-    shared `common` module as a script's folder on sys.path lets them)."""
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.append(str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+def _load(folder: Path, name: str) -> ModuleType:
+    """<folder>/<name>.py imported as a module (the folder is not a package; its scripts import their
+    shared helpers as a script's folder on sys.path lets them)."""
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py imported as a module."""
+    return _load(REPO / "benchmarks", name)
+
+
+def load_study(name: str) -> ModuleType:
+    """study/<name>.py (the study's analysis scripts) imported as a module."""
+    return _load(REPO / "study", name)
+
+
 def load_script(name: str) -> ModuleType:
     """scripts/<name>.py imported as a module."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load(REPO / "scripts", name)
 
 
 def results_row(unit: str, **extra) -> dict:

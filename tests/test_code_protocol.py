@@ -1,6 +1,6 @@
 """The code-task protocol (`verispec.evaluation.code_protocol`): fence stop and sanitiser, on synthetic
 replies with known answers, on real replies of the committed Qwen2.5-Coder sweep
-(benchmarks/sweeps/qwen-humaneval-core, the previous protocol), and in the decode loop on the default
+(study/sweeps/qwen-humaneval-core, the previous protocol), and in the decode loop on the default
 pair (a stop_check row batched equals the row decoded alone)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from verispec.evaluation import code_protocol as cp
 from verispec.evaluation import scorers
 from verispec.evaluation.store import has_rows, scan_rows
 
-CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
+CORE = Path(__file__).resolve().parents[1] / "study" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
 
 def top_level_kinds(code: str) -> set[str]:

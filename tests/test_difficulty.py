@@ -17,7 +17,7 @@ from verispec.evaluation import comparisons, stats
 from verispec.evaluation.summary import baseline_of
 from verispec.evaluation.store import has_rows, read_rows
 
-SEEDS = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-sanitized-seeds"
+SEEDS = Path(__file__).resolve().parents[1] / "study" / "sweeps" / "qwen-humaneval-sanitized-seeds"
 GATE, HONEST = "speccascade:min_p=0.1,resample=target", "honest:speccascade:min_p=0.1,resample=target"
 
 

@@ -1,8 +1,8 @@
 """The documentation holds together: the README stays short, every local link in the README and docs/
 resolves (a file, and a heading for an anchor), and every citation of a section (a docs/<name>.md file or
-the README, a comma, then the section's name in quotes) in the code, tests, scripts and docs names a
-heading (or a bold paragraph lead) of that file. benchmarks/RESULTS.md, a dated notebook, cites sections
-as they were and is not checked."""
+the README, benchmarks/RESULTS.md or study/NOTEBOOK.md, a comma, then the section's name in quotes) in the
+code, tests, scripts, the study's scripts and docs names a heading (or a bold paragraph lead) of that file.
+The two notebooks themselves, dated, cite sections as they were and are not checked."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 # "docs/design/rules.md, 'Token roles'" or "..., section 'Token roles'" (the title may wrap a line)
-CITATION = re.compile(r"(docs/[\w./-]+\.md|README(?:\.md)?),\s+(?:section\s+)?(['\"])(\S[^'\"]*?)\2")
+CITATION = re.compile(r"(docs/[\w./-]+\.md|README(?:\.md)?|benchmarks/RESULTS\.md|study/NOTEBOOK\.md)`?,\s+"
+                      r"(?:section\s+)?(['\"])(\S[^'\"]*?)\2")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -60,6 +61,8 @@ def test_every_local_link_resolves():
 def test_every_section_citation_resolves():
     sources = [*(ROOT / "src").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
                *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "scripts").glob("*"), ROOT / "README.md", *DOCS,
+               *(ROOT / "study").glob("*.py"), *(ROOT / "study" / "tests").glob("*.py"),
+               ROOT / "study" / "README.md",
                ROOT / "pyproject.toml"]
     unresolved, seen = [], 0
     for source in sources:

@@ -108,7 +108,7 @@ def test_an_interrupted_seal_reads_the_plain_rows_and_sealing_again_finishes(tmp
 
 def test_sealing_a_committed_sweep_keeps_its_report(tmp_path):
     """The conversion the committed sweeps went through: compact, seal; the report reads the same."""
-    source = REPO / "benchmarks" / "sweeps" / "qwen-mtbench-pilot"
+    source = REPO / "study" / "sweeps" / "qwen-mtbench-pilot"
     if not has_rows(source / "results.jsonl"):
         pytest.skip("the committed sweep is not in this checkout")
     sweep = tmp_path / "qwen-mtbench-pilot"

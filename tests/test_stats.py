@@ -19,7 +19,7 @@ from helpers import diff_rows
 from verispec.evaluation import comparisons, scorers, stats
 from verispec.evaluation.store import has_rows, read_rows
 
-CORE = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
+CORE = Path(__file__).resolve().parents[1] / "study" / "sweeps" / "qwen-humaneval-core" / "results.jsonl"
 
 
 def test_holm_hand_computed():

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import results_row
-from verispec.evaluation.stepstore import STEPS_FILE, decode_steps, encode_steps, is_pointer, store_steps
+from verispec.evaluation.stepstore import (STEPS_FILE, decode_steps, encode_steps, is_pointer, steps_files,
+                                            store_steps)
 from verispec.evaluation.store import ResultsFile, read_rows, scan_rows, sealed_file
 
 
@@ -110,13 +111,14 @@ def test_compacting_a_committed_sweep_keeps_its_report(tmp_path):
     from helpers import load_script
     from verispec.evaluation.report import write_report
 
-    source = Path(__file__).resolve().parents[1] / "benchmarks" / "sweeps" / "qwen-mtbench-pilot"
+    source = Path(__file__).resolve().parents[1] / "study" / "sweeps" / "qwen-mtbench-pilot"
     if not source.exists():
         pytest.skip("the committed sweep is not in this checkout")
     sweep = tmp_path / "qwen-mtbench-pilot"
     shutil.copytree(source, sweep)
     rows = read_rows(sweep / "results.jsonl")  # plain or sealed (results.jsonl.xz)
-    (sweep / STEPS_FILE).unlink()
+    for name in steps_files(sweep):  # its packed steps go: every row is written inline, as first stored
+        (sweep / name).unlink()
     sealed_file(sweep / "results.jsonl").unlink(missing_ok=True)
     (sweep / "results.jsonl").write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows))
     before = write_report(sweep, html_path=tmp_path / "a.html", markdown=True)[0]

@@ -1,6 +1,6 @@
 """Rows stored as references to the sweep that holds them (`store`, `same_as`): readers see the whole row,
 a reference that cannot be resolved is an invalid row named with its line, `--reuse-from` a sibling
-sweep writes references, and every reference committed under benchmarks/sweeps resolves."""
+sweep writes references, and every reference committed under study/sweeps resolves."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def write(path: Path, rows: list[dict]) -> Path:
 def test_a_reference_reads_as_the_whole_row(tmp_path):
     source = results_row("u1", steps={"tv": [0.0, 0.1]}, run="r1", score=float("nan"))
     write(tmp_path / "a" / "results.jsonl", [source, results_row("u2")])
-    copy = {**source, "reused_from": "benchmarks/sweeps/a"}
+    copy = {**source, "reused_from": "study/sweeps/a"}
     ref = reference_row(copy, "a", source)
     assert set(ref) == {"schema", "unit", SAME_AS, "run", "reused_from"}  # only what differs, and the run
     mine = write(tmp_path / "b" / "results.jsonl", [ref, results_row("u3")])
@@ -54,7 +54,7 @@ def test_a_reference_cannot_drop_a_field():
 
 @pytest.mark.slow
 def test_every_committed_reference_resolves_to_a_valid_row():
-    sweeps = REPO / "benchmarks" / "sweeps"
+    sweeps = REPO / "study" / "sweeps"
     checked = 0
     for spec in sorted(sweeps.glob("*/sweep.json")):
         path = spec.parent / "results.jsonl"

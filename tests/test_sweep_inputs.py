@@ -52,7 +52,7 @@ def test_committed_rows_keep_their_unit_keys():
     --reuse-from still recognise them (their temperatures are exact in 6 digits, so `id` = `legacy_id`)."""
     names = {f.name for f in fields(SweepSpec)}
     checked = 0
-    for spec_path in sorted((REPO / "benchmarks" / "sweeps").glob("*/sweep.json")):
+    for spec_path in sorted((REPO / "study" / "sweeps").glob("*/sweep.json")):
         settings = json.loads(spec_path.read_text())
         spec = SweepSpec(**{k: tuple(v) if isinstance(v, list) else v
                             for k, v in settings.items() if k in names})

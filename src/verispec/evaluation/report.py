@@ -531,7 +531,7 @@ def timeout_notes(rows: list[dict]) -> list[str]:
     named = _lines_text([f"{r['config']} / {r['prompt_id']} (seed {r['seed']})" for r in timed_out])
     return [f"{len(timed_out)} row(s) failed by timeout, not by a wrong answer: {named}; a correct "
             "program can time out on a loaded machine, so check them before reading their scores "
-            "(in a checkout, `python benchmarks/sweep_stats.py DIR --timed-out 60` runs them again with a "
+            "(in a checkout, `python study/sweep_stats.py DIR --timed-out 60` runs them again with a "
             "longer limit)"]
 
 

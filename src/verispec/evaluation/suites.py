@@ -56,7 +56,7 @@ class Suite:
     # loop as `DecodeConfig.stop_check` (e.g. `code_protocol.fence_stop`); None: none
     stop: Callable[[Callable[[list[int]], str]], Callable[[list[int]], int | None]] | None = None
     # an execution-scored suite's program (output text, item -> the Python source `score` runs in the
-    # sandbox), so a row can be run again under other limits (benchmarks/sweep_stats.py --timed-out);
+    # sandbox), so a row can be run again under other limits (study/sweep_stats.py --timed-out);
     # None: the suite scores text, not a program
     program: Callable[[str, Item], str] | None = None
 
