@@ -89,3 +89,10 @@ def test_the_benchmarks_readme_lists_every_script():
     scripts = [p.relative_to(ROOT / "benchmarks").as_posix() for p in (ROOT / "benchmarks").rglob("*.py")
                if p.name != "common.py" and "sweeps" not in p.parts]
     assert scripts and not [s for s in scripts if f"`{s}`" not in readme]
+
+
+def test_the_study_readme_lists_every_script():
+    """study/README.md names each analysis script of the study (fresh.py, their shared helper, aside)."""
+    readme = (ROOT / "study" / "README.md").read_text()
+    scripts = [p.name for p in (ROOT / "study").glob("*.py") if p.name != "fresh.py"]
+    assert scripts and not [s for s in scripts if f"`{s}`" not in readme]
