@@ -169,7 +169,9 @@ def report_overhead(n: int = 16, max_tokens: int = 64) -> dict:
 
 def interleaved(args, modes: dict, envs: dict) -> list[dict]:
     """Every mode's server up at once (idle ones cost nothing), then per concurrency level and round the
-    modes one after the other: a ratio's two sides are measured seconds apart."""
+    modes one after the other: a ratio's two sides are measured seconds apart. The order of the modes
+    alternates between rounds (odd rounds run it reversed), so neither side of a ratio always runs first
+    and a drift over the run falls on both."""
     servers = {}
     try:
         for mode in args.modes:
@@ -180,7 +182,8 @@ def interleaved(args, modes: dict, envs: dict) -> list[dict]:
         for c in args.concurrency:
             n = args.requests or max(4, c)
             for turn in range(args.rounds):
-                for mode, (_, url) in servers.items():
+                order = list(servers.items())
+                for mode, (_, url) in order[::-1] if turn % 2 else order:
                     mixed = mode == "lossless-mixed"
                     row = {"mode": mode, "round": turn,
                            **asyncio.run(level(url, c, n, args.max_tokens, mixed))}

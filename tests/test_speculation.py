@@ -124,6 +124,32 @@ def test_speculation_off_by_batch_is_plain_decoding_token_for_token():
         assert s.stats()["verification"]["speculation"]["blocks_off"] == len(s.blocks)
 
 
+def test_a_block_where_no_row_drafts_draws_from_each_rules_bonus_law():
+    """A block where every row's k is 0 skips the draft call, the padding and the verification and
+    draws each row's token from its own rule's bonus law with the block's one uniform: a lossless row
+    gets plain sampling's tokens, a greedy row (bonus law: the argmax) plain greedy's, side by side in
+    one decoder; each position is recorded as the bonus position it is, with the rule's law."""
+    target, draft = toy_pair()
+    policy = AdaptivePolicy(COSTS, k_max=2)  # from batch 4 on speculation cannot pay: nobody drafts
+    dec = BatchDecoder(target, ModelDrafter(draft), "lossless", DecodeConfig(k=2, policy=policy))
+    config = DecodeConfig(k=2, max_new_tokens=8, policy=policy)
+    rows = {dec.add([1], torch.Generator().manual_seed(i), config, rule=rule): (rule, i)
+            for i, rule in enumerate(["lossless", "greedy", "lossless", "greedy"])}
+    done = {}
+    while dec.active:
+        done.update(dict(dec.step()))
+    for row, (rule, seed) in rows.items():
+        plain = decode_prompts(target, [[1]], [torch.Generator().manual_seed(seed)],
+                               DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(
+                                   temperature=0.0 if rule == "greedy" else 1.0)))[0]
+        gen = done[row]
+        assert gen.token_ids == plain.token_ids, rule
+        assert all(b.proposed == 0 for b in gen.blocks) and gen.draft_calls == 0
+        assert set(gen.steps["role"]) == {"bonus"}
+        # the rule's law at each position: the target for lossless (TV 0), the argmax for greedy
+        assert (max(gen.steps["tv"]) == 0.0) == (rule == "lossless")
+
+
 def test_a_row_without_the_policy_keeps_its_k_beside_adaptive_rows():
     """In a decoder with a policy (the server's --k auto), a row added with its own k and no policy (a
     request that pins verification.k) drafts that k every block, even where the policy turns the

@@ -497,6 +497,20 @@ def _verify_rows(rules: list[Rule], p: Tensor, q: Tensor, drafts: Tensor,
     return accepted, tokens
 
 
+def _bonus_laws(rules: list[Rule], p: Tensor) -> Tensor:
+    """Each row's bonus law (`Rule.bonus_law`) of p [B, V], one call per rule over its rows."""
+    if all(rule.spec == rules[0].spec for rule in rules):
+        return rules[0].bonus_law(p)
+    law = torch.empty_like(p)
+    groups: dict[str, list[int]] = {}
+    for i, rule in enumerate(rules):
+        groups.setdefault(rule.spec, []).append(i)
+    for rows in groups.values():
+        index = torch.tensor(rows)
+        law[index] = rules[rows[0]].bonus_law(p[index]).to(p.dtype)  # [b, V] of the group's rows
+    return law
+
+
 class BatchDecoder:
     """The decode engine. Continuous batching: rows join (`add`) and leave (finish, `cancel`) between
     blocks; `step` runs one block for every active row. A single prompt is a batch of one.
@@ -714,6 +728,8 @@ class BatchDecoder:
                 r.acceptance.off += int(off and r.adaptive)
         # a block emits up to k + 1 tokens
         ks = [min(k, r.config.max_new_tokens - r.new - 1) for k, r in zip(wanted, rows)]
+        if not any(ks):  # nobody drafts: one token per row from its rule's bonus law, as a plain block
+            return self._plain_step(ids, rows, bonus=True)
         t0 = time.perf_counter()
         calls0 = _calls(self.drafter)
         generators = [r.generator for r in rows]
@@ -804,18 +820,24 @@ class BatchDecoder:
                 ends.append((row_id, finish))
         return ends
 
-    def _plain_step(self, ids: list[int], rows: list[_Row]) -> list[tuple[int, str]]:
+    def _plain_step(self, ids: list[int], rows: list[_Row], bonus: bool = False) -> list[tuple[int, str]]:
+        """One token per row in one target pass. `bonus`: a speculative block where no row drafts (k = 0):
+        each row's token is drawn from its rule's bonus law with the one uniform such a block draws
+        (`Rule.verify_with_uniforms` at K = 0), so its tokens are the speculative loop's, without its
+        padding and verification."""
         t0 = time.perf_counter()
         logits = torch.cat(self._session.logits_for(ids, [r.seq for r in rows], [1] * len(rows)))  # [B, V]
         seconds = time.perf_counter() - t0
         p = process_rows(logits, [r.config.sampling for r in rows])  # [B, V]: each row's own settings
         uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])  # [B]
-        tokens = sample_from(p, uniforms)  # [B]
+        law = _bonus_laws([r.rule for r in rows], p) if bonus else p  # [B, V]
+        tokens = sample_from(law, uniforms)  # [B]
         empty_q = p.new_zeros(0, p.shape[1])
+        role = "bonus" if bonus else "plain"
         ends = []
         for i, (row_id, r, tok) in enumerate(zip(ids, rows, tokens.tolist())):
             keep, finish = r.cut([tok])
-            r.record.add(logits[i : i + 1], p[i : i + 1], empty_q, tokens[i : i + 1], ["plain"])
+            r.record.add(logits[i : i + 1], p[i : i + 1], empty_q, tokens[i : i + 1], [role])
             r.seq = torch.cat([r.seq, tokens[i : i + 1]])
             r.new += 1
             r.blocks.append(Block(0, 0, 1))
