@@ -7,7 +7,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from verispec.machine import describe
 from verispec.tables import text_table
 

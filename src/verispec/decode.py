@@ -476,6 +476,14 @@ class _Row:
         return keep, finish
 
 
+def _rule_groups(rules: list[Rule]) -> list[list[int]]:
+    """The row indices of each distinct rule (by spec), in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, rule in enumerate(rules):
+        groups.setdefault(rule.spec, []).append(i)
+    return list(groups.values())
+
+
 def _verify_rows(rules: list[Rule], p: Tensor, q: Tensor, drafts: Tensor,
                  uniforms: Tensor) -> tuple[list[int], list[list[int]]]:
     """(accepted drafts per row, each row's tokens [K+1] as lists) for rows that each have their own
@@ -485,10 +493,7 @@ def _verify_rows(rules: list[Rule], p: Tensor, q: Tensor, drafts: Tensor,
         result = rules[0].verify_with_uniforms(p, q, drafts, uniforms, validate=False)
         return result.num_accepted.tolist(), result.tokens.tolist()
     accepted, tokens = [0] * len(rules), [[]] * len(rules)
-    groups: dict[str, list[int]] = {}
-    for i, rule in enumerate(rules):
-        groups.setdefault(rule.spec, []).append(i)
-    for rows in groups.values():
+    for rows in _rule_groups(rules):
         index = torch.tensor(rows)
         result = rules[rows[0]].verify_with_uniforms(p[index], q[index], drafts[index], uniforms[index],
                                                      validate=False)  # [b, K+1, V] ... of the group's rows
@@ -502,10 +507,7 @@ def _bonus_laws(rules: list[Rule], p: Tensor) -> Tensor:
     if all(rule.spec == rules[0].spec for rule in rules):
         return rules[0].bonus_law(p)
     law = torch.empty_like(p)
-    groups: dict[str, list[int]] = {}
-    for i, rule in enumerate(rules):
-        groups.setdefault(rule.spec, []).append(i)
-    for rows in groups.values():
+    for rows in _rule_groups(rules):
         index = torch.tensor(rows)
         law[index] = rules[rows[0]].bonus_law(p[index]).to(p.dtype)  # [b, V] of the group's rows
     return law
