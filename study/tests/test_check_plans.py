@@ -4,9 +4,11 @@ read from git and the rows."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 from helpers import REPO, load_study
@@ -55,3 +57,40 @@ def test_every_plan_was_committed_before_its_rows_were_written(tmp_path, capsys)
     # sweep.json was committed 45 s into its run, before its first chunk (255 s) was done
     mtbench = only_json.split("study/sweeps/qwen-mtbench:")[1].split("->")[1].splitlines()[0]
     assert mtbench.strip() == "declared before any row was written"
+
+
+
+def test_a_plan_moved_to_study_keeps_its_history_and_the_move_is_no_amendment(tmp_path, monkeypatch):
+    """A plan committed under benchmarks/sweeps, amended there, then moved unchanged to study/sweeps:
+    its commits are the declaration and the amendment (read at its former home), not the move, and the
+    rows at an old commit are read where they were then; a move that also edits a plan counts."""
+    check_plans = load_study("check_plans")
+    monkeypatch.setattr(check_plans, "REPO", tmp_path)
+    clock = iter(range(10))
+
+    def commit(subject: str) -> None:
+        when = f"2026-12-01T10:0{next(clock)}:00+00:00"  # distinct times: commits sort by time
+        env = {**os.environ, "GIT_AUTHOR_DATE": when, "GIT_COMMITTER_DATE": when}
+        for args in (["add", "-A"], ["commit", "-qm", subject]):
+            subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                           check=True, capture_output=True, env=env)
+
+    def plan(root: str, name: str) -> Path:
+        return tmp_path / root / "sweeps" / name / "PLAN.md"
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    for name in ("x", "y"):
+        plan("benchmarks", name).parent.mkdir(parents=True)
+        plan("benchmarks", name).write_text(f"plan {name}\n")
+    commit("declare")
+    plan("benchmarks", "x").write_text("plan x, amended\n")
+    (plan("benchmarks", "x").parent / "results.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    commit("amend")
+    (tmp_path / "study").mkdir()
+    (tmp_path / "benchmarks" / "sweeps").rename(tmp_path / "study" / "sweeps")
+    plan("study", "y").write_text("plan y, changed on the way\n")
+    commit("move")
+    commits = check_plans.plan_commits(plan("study", "x"))
+    assert [subject for _, _, subject in commits] == ["declare", "amend"]
+    assert check_plans.rows_at(commits[1][1], plan("study", "x").parent / "results.jsonl") == 2
+    assert [subject for _, _, subject in check_plans.plan_commits(plan("study", "y"))] == ["declare", "move"]
